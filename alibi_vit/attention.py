@@ -1,0 +1,120 @@
+"""The attention layer of ALiBi (and NoPE) ViTs: timm's ``Attention`` with the 2D bias added.
+
+It keeps timm's parameter names (``qkv``, ``proj``, ``q_norm``…), so a converted model's
+state_dict is a plain timm state_dict; a learned slope adds ``m`` of shape (heads, 1, 1), the
+constant and geometric slopes are non-persistent buffers. The patch grid of the current
+forward pass comes from a :class:`PatchGrid` shared with the model, which sets it from the
+patch embedding's output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.layers import Attention
+
+from kernels import alibi_attention
+from kernels.alibi_bias import patch_distances
+from kernels.attention import BACKENDS
+
+SLOPE_SCHEMES = ("constant", "learned", "geometric")
+
+
+class PatchGrid:
+    """The (h, w) patch grid of the forward pass in flight, shared by the model and its layers."""
+
+    def __init__(self):
+        self.size: tuple[int, int] | None = None
+
+    def __deepcopy__(self, memo):
+        return memo.setdefault(id(self), PatchGrid())
+
+    def __repr__(self):
+        return f"PatchGrid(size={self.size})"
+
+
+def initial_slopes(scheme: str, num_heads: int) -> torch.Tensor:
+    """Per-head slopes, shape (heads, 1, 1): ones, or ALiBi's geometric 2^(-8(h+1)/H)."""
+    if scheme == "geometric":
+        return torch.tensor([2.0 ** (-8.0 * (h + 1) / num_heads) for h in range(num_heads)]).view(-1, 1, 1)
+    return torch.ones(num_heads, 1, 1)
+
+
+class AlibiAttention(Attention):
+    """timm ``Attention`` whose logits get ``m_h · B`` (SPEC.md §2), or no position at all (NoPE)."""
+
+    def configure_position(self, patch_grid: PatchGrid, num_prefix_tokens: int, *, use_bias: bool = True,
+                           slopes: str = "constant", wrap: bool = True, normalize: bool = True,
+                           jitter: float = 0.0, jitter_seed: int = 0, backend: str = "auto") -> None:
+        if slopes not in SLOPE_SCHEMES:
+            raise ValueError(f"unknown slope scheme {slopes!r}; choose one of {', '.join(SLOPE_SCHEMES)}")
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if not jitter >= 0.0:
+            raise ValueError(f"jitter must be a non-negative standard deviation, got {jitter!r}")
+        if self.attn_drop.p > 0:
+            raise ValueError("ALiBi attention has no attention dropout; build the model with attn_drop_rate=0")
+        self.patch_grid = patch_grid
+        self.num_prefix_tokens = int(num_prefix_tokens)
+        self.use_bias = bool(use_bias)
+        self.slope_scheme = slopes
+        self.wrap, self.normalize, self.backend = bool(wrap), bool(normalize), backend
+        self.jitter, self.jitter_seed = float(jitter), int(jitter_seed)
+        self._jitter_generators = {}
+        device = self.qkv.weight.device
+        for name in ("m",):  # re-configuring replaces the previous slope
+            if name in self._parameters:
+                del self._parameters[name]
+            if name in self._buffers:
+                del self._buffers[name]
+        m = initial_slopes(slopes, self.num_heads).to(device)
+        if slopes == "learned":
+            self.m = nn.Parameter(m)
+        else:
+            self.register_buffer("m", m, persistent=False)
+
+    def _jittered_bias(self, grid, n, device, dtype):
+        # Test-time jitter (paper S4): fresh N(0, σ²) noise on d̂ at every call, from a seeded generator.
+        gen = self._jitter_generators.get(device)
+        if gen is None:
+            gen = self._jitter_generators[device] = torch.Generator(device=device).manual_seed(self.jitter_seed)
+        dist = patch_distances(grid, wrap=self.wrap, normalize=self.normalize, device=device)
+        noise = torch.randn(dist.shape, generator=gen, device=device) * self.jitter
+        bias = torch.zeros(n, n, device=device, dtype=torch.float32)
+        p = self.num_prefix_tokens
+        bias[p:, p:] = -(dist + noise)
+        return bias.to(dtype)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        if attn_mask is not None or is_causal:
+            raise ValueError("ALiBi/NoPE attention takes no attention mask and is never causal")
+        grid = self.patch_grid.size
+        if grid is None:
+            raise RuntimeError("the patch grid is unknown: call the whole model, not its blocks alone")
+        B, N, _ = x.shape
+        gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if not self.use_bias:
+            x = F.scaled_dot_product_attention(q, k, v)
+        elif self.jitter > 0:
+            bias = self._jittered_bias(grid, N, q.device, q.dtype)
+            x = F.scaled_dot_product_attention(q, k, v, attn_mask=self.m.to(q.dtype) * bias)
+        else:
+            slopes = None if self.slope_scheme == "constant" else self.m.view(-1)
+            x = alibi_attention(q, k, v, grid, self.num_prefix_tokens, slopes, wrap=self.wrap,
+                                normalize=self.normalize, backend=self.backend)
+        x = x.transpose(1, 2).reshape(B, N, -1)
+        x = self.norm(x)
+        if gate is not None:
+            x = x * gate
+        return self.proj_drop(self.proj(x))
+
+    def extra_repr(self) -> str:
+        if not getattr(self, "use_bias", True):
+            return "position=none"
+        return (f"slopes={self.slope_scheme}, wrap={self.wrap}, normalize={self.normalize}, "
+                f"jitter={self.jitter}, backend={self.backend}")
+

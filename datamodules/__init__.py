@@ -1,0 +1,1 @@
+"""Lightning DataModules: image folders and COCO for distillation, segmentation datasets for the probes."""

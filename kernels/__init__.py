@@ -1,0 +1,7 @@
+"""Attention kernels with the 2D wrapped, normalised ALiBi bias (SPEC.md §2)."""
+
+from .alibi_bias import alibi_bias, check_grid, max_distance, patch_distances
+from .attention import BACKENDS, alibi_attention, resolve_backend
+
+__all__ = ["BACKENDS", "alibi_attention", "alibi_bias", "check_grid", "max_distance", "patch_distances",
+           "resolve_backend"]

@@ -1,0 +1,141 @@
+"""``alibi_attention``: multi-head attention with the 2D ALiBi bias, behind one switch of backends.
+
+Every backend computes, per head ``h`` with slope ``m_h``,
+
+    softmax(q kᵀ / sqrt(head_dim) + m_h · B) v
+
+with ``B`` from :func:`kernels.alibi_bias`. Backends differ only in how ``B`` is applied:
+
+- ``"eager"``: explicit scores and softmax; the readable reference.
+- ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention`` with ``B`` materialised once
+  per grid/device/dtype and shared by all layers (O(N²) memory).
+- ``"triton"``: fused FlashAttention-style kernel that derives ``B`` from token coordinates on
+  the fly (O(N) memory; :mod:`kernels.alibi_triton`).
+- ``"flex"``: ``torch.nn.attention.flex_attention`` with an equivalent score_mod
+  (:mod:`kernels.alibi_flex`).
+
+``"auto"`` picks triton for CUDA tensors when it is importable, sdpa elsewhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .alibi_bias import cached_alibi_bias, check_grid
+
+__all__ = ["BACKENDS", "alibi_attention", "resolve_backend"]
+
+# Fused backends live in their own modules and are imported on first use, so that importing
+# the package never imports triton (TRITON_INTERPRET must be set before that happens).
+_LAZY_BACKENDS = {
+    "triton": ("kernels.alibi_triton", "triton_alibi_attention"),
+    "flex": ("kernels.alibi_flex", "flex_alibi_attention"),
+}
+BACKENDS = ("auto", "eager", "sdpa", *_LAZY_BACKENDS)
+
+
+def _slopes_or_ones(slopes, num_heads, like):
+    if slopes is None:
+        return torch.ones(num_heads, device=like.device, dtype=like.dtype)
+    return slopes.to(like.dtype)
+
+
+def _shared_bias(grid_size, num_prefix_tokens, wrap, normalize, device, dtype):
+    # The cached bias must be an ordinary tensor even when first built under inference_mode,
+    # or a later training step could not save it for backward.
+    with torch.inference_mode(False), torch.no_grad():
+        return cached_alibi_bias(grid_size, num_prefix_tokens, wrap, normalize, torch.device(device), dtype)
+
+
+def eager_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, normalize):
+    bias = _shared_bias(grid_size, num_prefix_tokens, wrap, normalize, q.device, q.dtype)
+    m = _slopes_or_ones(slopes, q.shape[1], q)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1]) + m.view(1, -1, 1, 1) * bias
+    return scores.softmax(dim=-1) @ v
+
+
+def sdpa_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, normalize):
+    bias = _shared_bias(grid_size, num_prefix_tokens, wrap, normalize, q.device, q.dtype)
+    mask = bias if slopes is None else slopes.to(q.dtype).view(-1, 1, 1) * bias
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+_EAGER_BACKENDS = {"eager": eager_alibi_attention, "sdpa": sdpa_alibi_attention}
+
+
+def _triton_usable(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        importlib.import_module(_LAZY_BACKENDS["triton"][0])
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The concrete backend ``alibi_attention(..., backend=backend)`` uses for tensors on ``device``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "triton" if _triton_usable(torch.device(device)) else "sdpa"
+    return backend
+
+
+def _backend_fn(name):
+    if name in _EAGER_BACKENDS:
+        return _EAGER_BACKENDS[name]
+    module, attr = _LAZY_BACKENDS[name]
+    return getattr(importlib.import_module(module), attr)
+
+
+def _check_inputs(q, k, v, grid_size, num_prefix_tokens, slopes):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 4D tensor (batch, heads, tokens, head_dim), got {shape}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"q, k, v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError("q, k, v must share one dtype and one device")
+    h, w = check_grid(grid_size)
+    if isinstance(num_prefix_tokens, bool) or int(num_prefix_tokens) != num_prefix_tokens or num_prefix_tokens < 0:
+        raise ValueError(f"num_prefix_tokens must be a non-negative integer, got {num_prefix_tokens!r}")
+    n = q.shape[2]
+    if n != num_prefix_tokens + h * w:
+        raise ValueError(
+            f"token count {n} does not match the grid: num_prefix_tokens + h*w = "
+            f"{num_prefix_tokens} + {h}*{w} = {num_prefix_tokens + h * w}")
+    if slopes is not None:
+        if not isinstance(slopes, torch.Tensor) or slopes.shape != (q.shape[1],):
+            shape = tuple(slopes.shape) if isinstance(slopes, torch.Tensor) else type(slopes).__name__
+            raise ValueError(f"slopes must be a tensor of shape (heads,) = ({q.shape[1]},), got {shape}")
+        if slopes.device != q.device:
+            raise ValueError(f"slopes are on {slopes.device} but q is on {q.device}")
+    return (h, w), int(num_prefix_tokens)
+
+
+def alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes=None, *, wrap=True, normalize=True,
+                    backend="auto"):
+    """Attention over ``(batch, heads, N, head_dim)`` tensors with the 2D ALiBi bias.
+
+    Args:
+        q, k, v: tensors of shape (B, heads, N, head_dim), ``N = num_prefix_tokens + h·w``.
+        grid_size: the patch grid ``(h, w)``; patches are in row-major order after the prefix.
+        num_prefix_tokens: CLS and register tokens at the front; they get zero bias.
+        slopes: per-head slopes, shape (heads,); ``None`` means 1 for every head. Gradients
+            reach it when it requires grad.
+        wrap: measure distances on a torus (the default), making attention circulant.
+        normalize: divide distances by the grid's largest distance, so the bias is resolution-free.
+        backend: one of ``BACKENDS``.
+
+    Returns:
+        Tensor of shape (B, heads, N, head_dim), dtype of ``q``.
+    """
+    name = resolve_backend(backend, q.device if isinstance(q, torch.Tensor) else torch.device("cpu"))
+    grid, prefix = _check_inputs(q, k, v, grid_size, num_prefix_tokens, slopes)
+    return _backend_fn(name)(q, k, v, grid, prefix, slopes, bool(wrap), bool(normalize))

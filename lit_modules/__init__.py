@@ -1,0 +1,1 @@
+"""LightningModules: distillation of DINOv2 into ALiBi students, segmentation linear probes."""
