@@ -37,7 +37,11 @@ def main(argv=None) -> int:
     sub = argparse.ArgumentParser(prog=f"alibi-vit {known.command}", description=SUBCOMMANDS[known.command][1])
     module.add_arguments(sub)
     args = sub.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except (FileNotFoundError, ValueError) as err:  # bad input: a message, not a traceback
+        print(f"alibi-vit {known.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

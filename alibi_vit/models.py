@@ -34,7 +34,8 @@ default_cfgs = generate_default_cfgs({
         hf_hub_id=f"timm/vit_{size}_patch14_reg4_dinov2.lvd142m",
         license="apache-2.0",
         mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD, num_classes=0,
-        input_size=(3, 518, 518), crop_pct=1.0, fixed_input_size=False,
+        input_size=(3, 518, 518), crop_pct=1.0,
+        fixed_input_size=True,  # sets the default img_size: pos_embed keeps the released (1, 1369, C) shape
     )
     for position in ("alibi", "nope") for size in _DINOV2_ARCHS
 })

@@ -1,0 +1,142 @@
+"""The positional-bias linear probe (SPEC.md §5): how well do patch features predict *where* a patch is?
+
+For an image's (C, h, w) feature grid, a ridge regression on standardised features is fitted
+at a random ``fraction`` of the patches to a position target and scored (R²) on the patches it
+did not see. Targets, each normalised to [0, 1] over the image:
+
+- ``x``: left → right, ``y``: top → bottom, ``diag``: (x + y) / 2,
+- ``radial``: distance from the image centre, divided by its largest value,
+- ``xy``: the joint (x, y) target, R² averaged over both outputs: the headline score.
+
+A model whose features carry absolute position scores near 1; a position-free model scores
+near 0 or below (held-out R² is negative when the fit is worse than the mean).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from sklearn.linear_model import Ridge
+from sklearn.metrics import r2_score
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+
+__all__ = ["TARGETS", "layer_fingerprint", "per_channel_r2", "position_targets", "positional_r2"]
+
+TARGETS = ("x", "y", "diag", "radial", "xy")
+
+
+def position_targets(grid_size, target: str = "xy") -> np.ndarray:
+    """Target values for every patch of an (h, w) grid, row-major: shape (h·w, outputs)."""
+    if target not in TARGETS:
+        raise ValueError(f"unknown probe target {target!r}; choose one of {', '.join(TARGETS)}")
+    h, w = grid_size
+    y, x = np.meshgrid(np.linspace(0.0, 1.0, h) if h > 1 else np.zeros(1),
+                       np.linspace(0.0, 1.0, w) if w > 1 else np.zeros(1), indexing="ij")
+    if target == "x":
+        out = [x]
+    elif target == "y":
+        out = [y]
+    elif target == "diag":
+        out = [(x + y) / 2.0]
+    elif target == "radial":
+        r = np.hypot(x - 0.5, y - 0.5)
+        out = [r / r.max() if r.max() > 0 else r]
+    else:
+        out = [x, y]
+    return np.stack([o.reshape(-1) for o in out], axis=1)
+
+
+def _as_feature_batch(features) -> np.ndarray:
+    if isinstance(features, torch.Tensor):
+        features = features.detach().to("cpu", torch.float64).numpy()
+    features = np.asarray(features, dtype=np.float64)
+    if features.ndim == 3:
+        features = features[None]
+    if features.ndim != 4:
+        raise ValueError(f"features must be (C, h, w) or (B, C, h, w), got shape {features.shape}")
+    if features.shape[2] * features.shape[3] < 4:
+        raise ValueError(f"a {features.shape[2]}×{features.shape[3]} grid has too few patches to probe")
+    if not np.isfinite(features).all():
+        raise ValueError("features contain NaN or infinite values")
+    return features
+
+
+def _splits(num_patches: int, fraction: float, repeats: int, seed: int):
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"fraction must be in (0, 1), got {fraction}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    # At least two patches on each side: R² is undefined on fewer.
+    n_train = min(max(2, round(fraction * num_patches)), num_patches - 2)
+    rng = np.random.default_rng(seed)
+    for _ in range(repeats):
+        perm = rng.permutation(num_patches)
+        yield perm[:n_train], perm[n_train:]
+
+
+def positional_r2(features, target: str = "xy", fraction: float = 0.025, repeats: int = 10, seed: int = 0,
+                  alpha: float = 1.0) -> float:
+    """Held-out R² of a ridge probe from all channels to ``target``, averaged over repeats and images.
+
+    Args:
+        features: (C, h, w) or (B, C, h, w) array or tensor of patch features.
+        target: one of ``TARGETS``.
+        fraction: share of patches used to fit (the rest are scored).
+        repeats: random samplings per image; image b uses seeds derived from ``seed`` and b.
+        alpha: ridge penalty on the standardised features.
+    """
+    feats = _as_feature_batch(features)
+    B, C, h, w = feats.shape
+    y_all = position_targets((h, w), target)
+    scores = []
+    for b in range(B):
+        x_all = feats[b].reshape(C, h * w).T
+        for train, test in _splits(h * w, fraction, repeats, seed + 7919 * b):
+            probe = make_pipeline(StandardScaler(), Ridge(alpha=alpha))
+            probe.fit(x_all[train], y_all[train])
+            scores.append(r2_score(y_all[test], probe.predict(x_all[test])))
+    return float(np.mean(scores))
+
+
+def per_channel_r2(features, target: str = "xy", fraction: float = 0.025, repeats: int = 10,
+                   seed: int = 0) -> np.ndarray:
+    """Held-out R² of a one-channel linear fit per channel: the "positional fingerprint", shape (C,).
+
+    Least squares in closed form for every channel at once; multi-output targets average R²
+    over outputs, like :func:`positional_r2`.
+    """
+    feats = _as_feature_batch(features)
+    B, C, h, w = feats.shape
+    y_all = position_targets((h, w), target)  # (P, K)
+    total = np.zeros(C)
+    count = 0
+    for b in range(B):
+        x_all = feats[b].reshape(C, h * w).T  # (P, C)
+        for train, test in _splits(h * w, fraction, repeats, seed + 7919 * b):
+            xt, yt = x_all[train], y_all[train]
+            x_c = xt - xt.mean(0)
+            var = (x_c ** 2).sum(0)  # (C,)
+            cov = x_c.T @ (yt - yt.mean(0))  # (C, K)
+            slope = np.divide(cov, var[:, None], out=np.zeros_like(cov), where=var[:, None] > 0)
+            intercept = yt.mean(0)[None, :] - slope * xt.mean(0)[:, None]  # (C, K)
+            pred = x_all[test][:, :, None] * slope[None] + intercept[None]  # (P_test, C, K)
+            y_test = y_all[test][:, None, :]
+            ss_res = ((y_test - pred) ** 2).sum(0)
+            ss_tot = ((y_test - y_test.mean(0)) ** 2).sum(0)
+            total += (1.0 - ss_res / ss_tot).mean(axis=1)
+            count += 1
+    return total / count
+
+
+@torch.no_grad()
+def layer_fingerprint(model, images: torch.Tensor, layers=None, target: str = "xy", fraction: float = 0.025,
+                      repeats: int = 10, seed: int = 0) -> dict[int, dict]:
+    """Per-layer probe of a timm ViT: ``{layer: {"r2": float, "channel_r2": (C,) array}}``."""
+    from .features import patch_features
+
+    layers = list(range(len(model.blocks))) if layers is None else list(layers)
+    feats = patch_features(model, images, layers=layers)
+    return {layer: {"r2": positional_r2(f, target, fraction, repeats, seed),
+                    "channel_r2": per_channel_r2(f, target, fraction, repeats, seed)}
+            for layer, f in feats.items()}

@@ -1,0 +1,144 @@
+"""``alibi-vit probe``: the positional-bias probe of several models on the same images.
+
+Prints a table (models × targets) of held-out R² and writes it as CSV. ``--per-layer`` adds
+one row per block (the per-layer fingerprint) and a per-channel CSV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .images import BUNDLED_SETS, bundled_images, list_images, load_image, noise_images, normalize, resize_center_crop
+from .probe import TARGETS, per_channel_r2, positional_r2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", nargs="+", required=True, metavar="NAME",
+                        help="timm model names, e.g. vit_small_patch14_reg4_dinov2 alibi_vit_small_patch14_reg4_dinov2")
+    parser.add_argument("--checkpoint", action="append", default=[], metavar="[NAME=]PATH",
+                        help="timm state_dict for a model (NAME= may be omitted with one model)")
+    parser.add_argument("--pretrained", action="store_true",
+                        help="load timm's pretrained weights (needs the hub or a local cache)")
+    parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="architecture override passed to timm for every model, e.g. depth=2")
+    parser.add_argument("--images", required=True, metavar="DIR|SET|noise",
+                        help=f"a folder of images, a bundled set ({', '.join(BUNDLED_SETS)}) or 'noise'")
+    parser.add_argument("--noise-count", type=int, default=8, help="number of noise images for --images noise")
+    parser.add_argument("--size", type=int, default=224, help="images are resized and centre-cropped to SIZE px")
+    parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
+    parser.add_argument("--fraction", type=float, default=0.025, help="share of patches the probe is fitted on")
+    parser.add_argument("--repeats", type=int, default=10, help="random samplings per image")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--per-layer", action="store_true", help="probe every block's output too")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path("probe_results.csv"), help="CSV file to write")
+
+
+def _parse_model_args(items):
+    kwargs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--model-arg expects KEY=VALUE, got {item!r}")
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key] = value
+    return kwargs
+
+
+def _parse_checkpoints(items, models):
+    found = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep:
+            if len(models) != 1:
+                raise SystemExit("with several models, write --checkpoint NAME=PATH")
+            name, path = models[0], item
+        if name not in models:
+            raise SystemExit(f"--checkpoint names {name!r}, which is not among --model {' '.join(models)}")
+        found[name] = path
+    return found
+
+
+def load_probe_images(source: str, size: int, noise_count: int = 8, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """(name, normalised (3, size, size) tensor) for a folder, a bundled set or 'noise'."""
+    if source == "noise":
+        raw = noise_images(noise_count, size, seed)
+    elif source in BUNDLED_SETS:
+        raw = bundled_images(source)
+    else:
+        raw = [(p.name, load_image(p)) for p in list_images(source)]
+    return [(name, normalize(resize_center_crop(img, size))) for name, img in raw]
+
+
+@torch.no_grad()
+def _features(model, images, batch_size, device, layers):
+    from .features import patch_features
+
+    out = {}
+    for start in tqdm(range(0, len(images), batch_size), desc="features", leave=False):
+        batch = torch.stack(images[start:start + batch_size]).to(device)
+        feats = patch_features(model, batch, layers=layers)
+        feats = {"final": feats} if layers is None else {**feats, "final": patch_features(model, batch)}
+        for key, value in feats.items():
+            out.setdefault(key, []).append(value.float().cpu())
+    return {key: torch.cat(chunks) for key, chunks in out.items()}
+
+
+def run(args) -> int:
+    from .checkpoint import create_backbone
+
+    model_kwargs = _parse_model_args(args.model_arg)
+    checkpoints = _parse_checkpoints(args.checkpoint, args.model)
+    named = load_probe_images(args.images, args.size, args.noise_count, args.seed)
+    images = [img for _, img in named]
+    rows, channel_rows = [], []
+    for name in args.model:
+        model = create_backbone(name, pretrained=args.pretrained, checkpoint=checkpoints.get(name), **model_kwargs)
+        model = model.to(args.device).eval()
+        layers = list(range(len(model.blocks))) if args.per_layer else None
+        feats = _features(model, images, args.batch_size, args.device, layers)
+        for layer, f in tqdm(feats.items(), desc=f"probe {name}", leave=False):
+            row = {"model": name, "layer": layer, "images": args.images, "num_images": len(images), "size": args.size}
+            for target in args.targets:
+                row[target] = positional_r2(f, target, args.fraction, args.repeats, args.seed)
+            rows.append(row)
+            if args.per_layer:
+                for c, r2 in enumerate(per_channel_r2(f, "xy", args.fraction, args.repeats, args.seed)):
+                    channel_rows.append({"model": name, "layer": layer, "channel": c, "xy": r2})
+        del model
+    _print_table(rows, args.targets)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    _write_csv(args.out, rows)
+    print(f"wrote {args.out}")
+    if channel_rows:
+        channel_path = args.out.with_name(args.out.stem + "_channels.csv")
+        _write_csv(channel_path, channel_rows)
+        print(f"wrote {channel_path}")
+    return 0
+
+
+def _write_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _print_table(rows, targets):
+    name_width = max(len("model"), *(len(r["model"]) for r in rows))
+    header = f"{'model':<{name_width}}  {'layer':>5}  " + "  ".join(f"{t:>7}" for t in targets)
+    print(f"positional R² (held-out; 1 = position fully readable, ≤ 0 = none) on {rows[0]['images']}, "
+          f"{rows[0]['num_images']} images at {rows[0]['size']} px")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['model']:<{name_width}}  {str(r['layer']):>5}  " + "  ".join(f"{r[t]:7.3f}" for t in targets))
