@@ -62,13 +62,10 @@ class AlibiAttention(Attention):
         self.wrap, self.normalize, self.backend = bool(wrap), bool(normalize), backend
         self.jitter, self.jitter_seed = float(jitter), int(jitter_seed)
         self._jitter_generators = {}
-        device = self.qkv.weight.device
-        for name in ("m",):  # re-configuring replaces the previous slope
-            if name in self._parameters:
-                del self._parameters[name]
-            if name in self._buffers:
-                del self._buffers[name]
-        m = initial_slopes(slopes, self.num_heads).to(device)
+        # Re-configuring replaces the previous slope, parameter or buffer.
+        self._parameters.pop("m", None)
+        self._buffers.pop("m", None)
+        m = initial_slopes(slopes, self.num_heads).to(self.qkv.weight.device)
         if slopes == "learned":
             self.m = nn.Parameter(m)
         else:
