@@ -1,0 +1,190 @@
+"""Training throughput of the distillation step: fused Triton ALiBi attention vs eager attention.
+
+One optimizer step of ``DistillationModule`` exactly as training runs it (frozen teacher
+forward + student forward/backward + AdamW), on synthetic images, bf16 autocast on CUDA.
+The student uses ``backend="triton"`` (bias computed inside the kernel) or
+``backend="eager"`` (explicit scores with the materialised (N, N) bias); the teacher is the
+same in both. Reports images/s per GPU at 224 and 518 px and writes
+``benchmarks/results/distill_throughput_<device>.{md,json}``.
+
+    python benchmarks/bench_distill_throughput.py                 # CUDA: the real measurement
+    python benchmarks/bench_distill_throughput.py --smoke         # tiny CPU check of the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TINY = {"depth": 2, "embed_dim": 32, "num_heads": 2}  # head_dim 16: a size the Triton kernel takes
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="small", choices=["small", "base", "large", "giant"],
+                   help="DINOv2 size of teacher and student (default: small, the paper's)")
+    p.add_argument("--sizes", type=int, nargs="+", default=[224, 518], help="image sizes in px")
+    p.add_argument("--batch", type=int, nargs="+", default=[64, 16],
+                   help="per-GPU batch for each size (one value per --sizes entry)")
+    p.add_argument("--backends", nargs="+", default=None,
+                   help="student attention backends (default: triton eager; with --smoke on CPU: sdpa eager, or "
+                        "triton eager under TRITON_INTERPRET=1)")
+    p.add_argument("--steps", type=int, default=20, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (autotuning, allocator)")
+    p.add_argument("--out-dir", type=Path, default=RESULTS, help="where the .md and .json go")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny CPU run (2-block width-32 models, 28/56 px, fp32) that checks the script, not speed")
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.smoke:
+        args.sizes, args.batch, args.steps, args.warmup = [28, 56], [4, 4], 2, 1
+        if args.backends is None:
+            # On CPU the Triton kernel runs only in the interpreter: slow, and no speed measurement.
+            args.backends = ["triton", "eager"] if os.environ.get("TRITON_INTERPRET") == "1" else ["sdpa", "eager"]
+    elif args.backends is None:
+        args.backends = ["triton", "eager"]
+    if len(args.batch) != len(args.sizes):
+        p.error(f"--batch needs one value per size: {len(args.sizes)} sizes, {len(args.batch)} batches")
+    return args
+
+
+def device_slug(device: torch.device, smoke: bool) -> str:
+    if smoke:
+        return "cpu-smoke"
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+
+
+def build(model: str, backend: str, smoke: bool, device: torch.device):
+    from lit_modules.distillation import DistillationModule
+
+    torch.manual_seed(0)
+    module = DistillationModule(
+        teacher=f"vit_{model}_patch14_reg4_dinov2", student=f"alibi_vit_{model}_patch14_reg4_dinov2",
+        teacher_pretrained=False,  # weights do not change the speed; no download needed
+        model_kwargs=TINY if smoke else None, student_kwargs={"backend": backend},
+        blank_channels=[] if smoke or model != "small" else (47, 113, 117, 359), init_from="teacher")
+    module.to(device)
+    module.train()
+    return module, module.configure_optimizers()
+
+
+def measure(model: str, backend: str, size: int, batch: int, steps: int, warmup: int, smoke: bool,
+            device: torch.device) -> dict:
+    row = {"backend": backend, "image_size": size, "batch_per_gpu": batch, "tokens": 5 + (size // 14) ** 2}
+    module, optimizer = build(model, backend, smoke, device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    images = torch.randn(batch, 3, size, size, device=device, generator=gen)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def step() -> float:
+        with autocast:
+            loss = module.distillation_loss(images)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    try:
+        first = float(step())
+        for _ in range(warmup - 1):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            loss = step()
+        float(loss)  # waits for the last step
+        elapsed = time.perf_counter() - start
+    except torch.cuda.OutOfMemoryError:
+        row.update(status="out of memory")
+        return row
+    finally:
+        del module, optimizer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    row.update(status="ok", img_per_s=batch * steps / elapsed, ms_per_step=1000 * elapsed / steps,
+               first_step_loss=first)
+    if device.type == "cuda":
+        row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return row
+
+
+def write_report(rows: list, args, device_name: str, slug: str, out_dir: Path) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    command = " ".join(shlex.quote(a) for a in ["python", "benchmarks/bench_distill_throughput.py", *args.argv])
+    meta = {"command": command, "device": device_name, "model": args.model, "steps": args.steps,
+            "warmup": args.warmup, "precision": "fp32 (smoke)" if args.smoke else "bf16-mixed",
+            "torch": torch.__version__, "python": platform.python_version(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    json_path = out_dir / f"distill_throughput_{slug}.json"
+    json_path.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+
+    lines = [f"# Distillation training throughput on {device_name}", "",
+             f"Command: `{command}`", "",
+             f"ViT-{args.model[0].upper()}/14-reg4 teacher (frozen) + ALiBi student, one AdamW step per batch, "
+             f"synthetic images, {meta['precision']}, {args.steps} timed steps after {args.warmup} warm-up steps; "
+             f"torch {meta['torch']}" + (f", triton {meta['triton']}" if "triton" in meta else "") + f"; {meta['date']}.",
+             "", "| size (px) | tokens | batch/GPU | student attention | img/s per GPU | ms/step | peak GiB | "
+             "speed-up |", "|---|---|---|---|---|---|---|---|"]
+    for size in args.sizes:
+        by_backend = {r["backend"]: r for r in rows if r["image_size"] == size}
+        base = by_backend.get("eager", {}).get("img_per_s")
+        for r in by_backend.values():
+            if r["status"] != "ok":
+                lines.append(f"| {size} | {r['tokens']} | {r['batch_per_gpu']} | {r['backend']} | {r['status']} "
+                             "| | | |")
+                continue
+            speedup = f"{r['img_per_s'] / base:.2f}×" if base else ""
+            peak = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else ""
+            lines.append(f"| {size} | {r['tokens']} | {r['batch_per_gpu']} | {r['backend']} | {r['img_per_s']:.1f} "
+                         f"| {r['ms_per_step']:.1f} | {peak} | {speedup} |")
+    lines += ["", "Speed-up is relative to eager attention with the materialised bias at the same size."]
+    md_path = out_dir / f"distill_throughput_{slug}.md"
+    md_path.write_text("\n".join(lines) + "\n")
+    return md_path, json_path
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.smoke:
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        print("bench_distill_throughput: no CUDA device. This benchmark measures GPU training throughput in bf16 "
+              "with the fused Triton kernel; run it on a GPU node, or pass --smoke for a tiny CPU check of the "
+              "script.", file=sys.stderr)
+        return 2
+    else:
+        device = torch.device("cuda", torch.cuda.current_device())
+    device_name = "CPU (smoke)" if args.smoke else torch.cuda.get_device_name(device)
+    rows = []
+    for size, batch in zip(args.sizes, args.batch):
+        for backend in args.backends:
+            row = measure(args.model, backend, size, batch, args.steps, args.warmup, args.smoke, device)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    md, js = write_report(rows, args, device_name, device_slug(device, args.smoke), args.out_dir)
+    print(f"wrote {md} and {js}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,404 @@
+"""Distilling DINOv2 into an ALiBi (or NoPE) student: the recipe of SPEC.md §4.
+
+The teacher is the unmodified DINOv2, frozen; its final-normed patch tokens, with the most
+positional channels zeroed, are the target. The student is the same ViT with ``pos_embed``
+zeroed and frozen and the 2D ALiBi bias in every attention layer; it starts from the
+teacher's weights and learns to reproduce the target without absolute position. The loss is
+1 − cosine similarity over channels per patch token; CLS and register tokens are not
+supervised.
+
+The teacher runs batched on the accelerator inside the step. It is deliberately *not* a
+registered submodule: its weights stay out of checkpoints (they are the public DINOv2
+weights, rebuilt from the hyperparameters), out of DDP's parameter broadcast, and out of
+``train()``, so it can never leave eval mode.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from pathlib import Path
+from typing import Literal, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from lightning.pytorch.loggers import TensorBoardLogger
+
+import alibi_vit
+from alibi_vit import create_backbone, load_state_dict_file, load_weights, patch_features
+from alibi_vit.images import bundled_images, noise_images, normalize, resize_center_crop
+from alibi_vit.models import POSITION_KWARGS
+from alibi_vit.probe import positional_r2
+
+__all__ = ["DistillationModule", "build_student", "cosine_distance", "copy_teacher_weights", "pca_rgb",
+           "student_state_dict"]
+
+# Parameters an ALiBi student may have that no DINOv2 teacher has: learned slopes (SPEC.md §2).
+_STUDENT_ONLY_KEYS = re.compile(r"^blocks\.\d+\.attn\.m$")
+# Keys never copied from the teacher: the student's position embedding stays zero.
+_NOT_FROM_TEACHER = ("pos_embed",)
+
+
+def build_student(name: str, model_kwargs: Optional[dict] = None, student_kwargs: Optional[dict] = None) -> nn.Module:
+    """The student architecture, randomly initialised: a registered ALiBi/NoPE model, or any timm ViT converted.
+
+    ``model_kwargs`` are architecture overrides shared with the teacher; ``student_kwargs``
+    are the student's own (``slopes``, ``backend``, ``wrap``...). Export rebuilds the student
+    with this same function, so exported weights are checked against the trained architecture.
+    """
+    kwargs = {**(model_kwargs or {}), **(student_kwargs or {})}
+    if name in alibi_vit.MODEL_NAMES:
+        return create_backbone(name, **kwargs)
+    position = {k: kwargs.pop(k) for k in POSITION_KWARGS if k in kwargs}
+    return alibi_vit.convert_to_alibi(create_backbone(name, **kwargs), **position)
+
+
+def copy_teacher_weights(student: nn.Module, teacher: nn.Module) -> None:
+    """Start the student from the teacher's weights (the paper's initialisation), strictly.
+
+    Every student tensor must come from the teacher with the same shape, except ``pos_embed``
+    (kept at zero) and learned slopes (kept at their initial value); anything else that does
+    not match is an error listing the keys.
+    """
+    t_state, s_state = teacher.state_dict(), student.state_dict()
+    missing = sorted(k for k in s_state if k not in t_state and k not in _NOT_FROM_TEACHER
+                     and not _STUDENT_ONLY_KEYS.match(k))
+    unused = sorted(k for k in t_state if k not in s_state)
+    shapes = sorted(f"{k}: teacher {tuple(t_state[k].shape)} vs student {tuple(s_state[k].shape)}"
+                    for k in s_state if k in t_state and k not in _NOT_FROM_TEACHER
+                    and t_state[k].shape != s_state[k].shape)
+    if missing or unused or shapes:
+        lines = [f"cannot initialise the student ({type(student).__name__}) from the teacher:"]
+        for title, keys in (("student keys the teacher lacks", missing), ("teacher keys the student lacks", unused),
+                            ("shape mismatches", shapes)):
+            if keys:
+                lines.append(f"  {title} ({len(keys)}): " + ", ".join(keys))
+        raise ValueError("\n".join(lines))
+    merged = {k: (s_state[k] if k in _NOT_FROM_TEACHER or k not in t_state else t_state[k]) for k in s_state}
+    load_weights(student, merged, source="teacher weights")
+
+
+def student_state_dict(state: dict) -> dict:
+    """The student's weights from this module's state_dict (keys ``student.*``), as a plain timm state_dict."""
+    prefix = "student."
+    out = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    if not out:
+        some = ", ".join(list(state)[:5])
+        raise ValueError(f"no 'student.*' keys in this state_dict (first keys: {some}); "
+                         "is it a checkpoint of lit_modules.distillation.DistillationModule?")
+    return out
+
+
+def cosine_distance(student: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over batch and patches of 1 − cos(student, target) across channels, for (B, C, h, w) maps.
+
+    Computed in float32 so that bf16 autocast does not quantise a loss that ends near 0.
+    """
+    if student.shape != target.shape:
+        raise ValueError(f"student features {tuple(student.shape)} and target {tuple(target.shape)} differ in shape")
+    cos = F.cosine_similarity(student.float(), target.float(), dim=1, eps=1e-8)
+    return (1.0 - cos).mean()
+
+
+def pca_rgb(features: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) features → (B, 3, h, w) in [0, 1]: the first three principal components as RGB.
+
+    One PCA over all images' patches, so colours are comparable between images; components
+    are sign-fixed (largest loading positive) so colours do not flip between validations.
+    """
+    B, C, h, w = features.shape
+    x = features.detach().float().permute(0, 2, 3, 1).reshape(-1, C)
+    x = x - x.mean(dim=0, keepdim=True)
+    _, _, vh = torch.linalg.svd(x, full_matrices=False)
+    comps = vh[:3]
+    comps = comps * torch.sign(comps.gather(1, comps.abs().argmax(dim=1, keepdim=True)))
+    proj = x @ comps.T
+    if proj.shape[1] < 3:  # fewer than 3 channels: pad with grey
+        proj = torch.cat([proj, proj.new_zeros(proj.shape[0], 3 - proj.shape[1])], dim=1)
+    lo, hi = proj.min(dim=0).values, proj.max(dim=0).values
+    rgb = (proj - lo) / (hi - lo).clamp_min(1e-8)
+    return rgb.reshape(B, h, w, 3).permute(0, 3, 1, 2).clamp(0.0, 1.0)
+
+
+def _images_of(batch) -> torch.Tensor:
+    """Image tensor of a batch: a tensor, the first item of a tuple/list, or a dict's ``image``."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
+        return batch[0]
+    if isinstance(batch, dict) and isinstance(batch.get("image"), torch.Tensor):
+        return batch["image"]
+    raise TypeError(f"expected a batch of images (a tensor, (images, ...) or {{'image': ...}}), got {type(batch)}")
+
+
+def _prepare(images: list, size: int) -> torch.Tensor:
+    return torch.stack([normalize(resize_center_crop(img, size)) for img in images])
+
+
+class DistillationModule(LightningModule):
+    """Frozen DINOv2 teacher → ALiBi/NoPE student, with positional-probe and PCA monitoring at validation.
+
+    Args:
+        teacher: timm name of the teacher, e.g. ``vit_small_patch14_reg4_dinov2``.
+        student: ``alibi_vit_*``/``nope_vit_*`` name, or a timm ViT name converted with ``convert_to_alibi``.
+        teacher_pretrained: load the teacher's published weights through timm (hub or cache).
+        teacher_checkpoint: a local timm state_dict for the teacher instead (loaded strictly).
+        model_kwargs: architecture overrides for teacher and student alike (tiny test models).
+        student_kwargs: the student's own options (``slopes``, ``backend``, ``wrap``, ``normalize``...).
+        init_from: ``"teacher"`` (copy the teacher's weights, the paper's start), ``None`` (keep the
+            student as built), or a path: a Lightning ``.ckpt`` of this module (stage 2 starts from
+            stage 1's) or a plain timm state_dict (``.safetensors``/``.pth``) of the student.
+        blank_channels: target channels set to zero (the most positional ones of DINOv2-S/14-reg4).
+        lr, weight_decay, betas: AdamW over the student's trainable parameters.
+        warmup_steps: linear warmup over this many optimizer steps (0: none).
+        lr_schedule: ``"constant"`` or ``"cosine"`` decay to ``min_lr`` over the run, stepped per optimizer step.
+        compile_student: run the student's forward through ``torch.compile``.
+        probe_image_size: size of the fixed probe and PCA images (a multiple of the patch size).
+        probe_fraction, probe_repeats: positional probe settings (SPEC.md §5).
+        probe_noise_images: number of uniform-noise images probed (0: skip).
+        pca_images: number of bundled photos shown as PCA-as-RGB of student features (0: skip).
+    """
+
+    def __init__(
+        self,
+        teacher: str = "vit_small_patch14_reg4_dinov2",
+        student: str = "alibi_vit_small_patch14_reg4_dinov2",
+        teacher_pretrained: bool = True,
+        teacher_checkpoint: Optional[str] = None,
+        model_kwargs: Optional[dict] = None,
+        student_kwargs: Optional[dict] = None,
+        init_from: Optional[str] = "teacher",
+        blank_channels: Sequence[int] = (47, 113, 117, 359),
+        lr: float = 1e-4,
+        weight_decay: float = 0.01,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_steps: int = 0,
+        lr_schedule: Literal["constant", "cosine"] = "constant",
+        min_lr: float = 0.0,
+        compile_student: bool = False,
+        probe_image_size: int = 224,
+        probe_fraction: float = 0.025,
+        probe_repeats: int = 10,
+        probe_noise_images: int = 4,
+        pca_images: int = 3,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        if lr <= 0 or weight_decay < 0 or warmup_steps < 0 or min_lr < 0:
+            raise ValueError(f"need lr > 0, weight_decay >= 0, warmup_steps >= 0, min_lr >= 0; got lr={lr}, "
+                             f"weight_decay={weight_decay}, warmup_steps={warmup_steps}, min_lr={min_lr}")
+
+        teacher_model = create_backbone(teacher, pretrained=teacher_pretrained and teacher_checkpoint is None,
+                                        checkpoint=teacher_checkpoint, **(model_kwargs or {}))
+        teacher_model.requires_grad_(False).eval()
+        # Not a submodule on purpose (see the module docstring): plain attribute, moved to the
+        # batch's device on first use.
+        object.__setattr__(self, "teacher", teacher_model)
+
+        self.student = build_student(student, model_kwargs, student_kwargs)
+        self._check_pair()
+        patch = self.student.patch_embed.patch_size[0]
+        if probe_image_size % patch:
+            raise ValueError(f"probe_image_size={probe_image_size} must be a multiple of the patch size {patch}")
+        self.blank_channels = self._check_blank_channels(blank_channels)
+        self._initialise_student(init_from)
+
+        self._student_forward = None  # compiled lazily, in the process that trains
+        self._last_batch_end: Optional[float] = None
+        self._probe_batches: Optional[dict] = None
+        self._teacher_reference: Optional[dict] = None
+
+    # -- construction ---------------------------------------------------------------------------
+
+    def _check_pair(self) -> None:
+        t, s = self.teacher, self.student
+        if t.num_features != s.num_features:
+            raise ValueError(f"teacher {self.hparams.teacher} has {t.num_features} channels but student "
+                             f"{self.hparams.student} has {s.num_features}; they must match")
+        if tuple(t.patch_embed.patch_size) != tuple(s.patch_embed.patch_size):
+            raise ValueError(f"teacher patch size {t.patch_embed.patch_size} differs from the student's "
+                             f"{s.patch_embed.patch_size}")
+
+    def _check_blank_channels(self, channels) -> list[int]:
+        dim = self.teacher.num_features
+        channels = [int(c) for c in (channels or [])]
+        bad = [c for c in channels if not 0 <= c < dim]
+        if bad:
+            raise ValueError(
+                f"blank_channels {bad} are out of range for teacher {self.hparams.teacher} with {dim} channels "
+                f"(valid: 0..{dim - 1}); the default [47, 113, 117, 359] is for DINOv2-S/14-reg4")
+        return sorted(set(channels))
+
+    def _initialise_student(self, init_from: Optional[str]) -> None:
+        if init_from is None:
+            pass
+        elif init_from == "teacher":
+            copy_teacher_weights(self.student, self.teacher)
+        else:
+            path = Path(init_from)
+            state = load_state_dict_file(path)  # a Lightning .ckpt yields its 'state_dict'
+            if any(k.startswith("student.") for k in state):
+                state = student_state_dict(state)
+            load_weights(self.student, state, source=f"init_from {path}")
+        # The student must carry no absolute position, whatever the source held.
+        if getattr(self.student, "pos_embed", None) is not None:
+            with torch.no_grad():
+                self.student.pos_embed.zero_()
+            self.student.pos_embed.requires_grad_(False)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.teacher.eval()  # frozen: dropout/drop-path never on, whatever Lightning asks
+        return self
+
+    # -- the loss -------------------------------------------------------------------------------
+
+    def _teacher_on(self, images: torch.Tensor) -> nn.Module:
+        ref = next(self.teacher.parameters())
+        dtype = next(self.student.parameters()).dtype  # follows "bf16-true"/"16-true" precision casts
+        if ref.device != images.device or ref.dtype != dtype:
+            self.teacher.to(device=images.device, dtype=dtype)
+        return self.teacher
+
+    @torch.no_grad()
+    def teacher_targets(self, images: torch.Tensor) -> torch.Tensor:
+        """Teacher's final-normed patch tokens (B, C, h, w) with ``blank_channels`` zeroed."""
+        target = patch_features(self._teacher_on(images), images)
+        if self.blank_channels:
+            target = target.clone()
+            target[:, self.blank_channels] = 0
+        return target
+
+    def student_features(self, images: torch.Tensor) -> torch.Tensor:
+        if self.hparams.compile_student:
+            if self._student_forward is None:
+                student = self.student
+                self._student_forward = torch.compile(lambda x: patch_features(student, x))
+            return self._student_forward(images)
+        return patch_features(self.student, images)
+
+    def distillation_loss(self, images: torch.Tensor) -> torch.Tensor:
+        """1 − cosine similarity between student features and the blanked teacher target, averaged."""
+        return cosine_distance(self.student_features(images), self.teacher_targets(images))
+
+    # -- Lightning hooks ------------------------------------------------------------------------
+
+    def training_step(self, batch, batch_idx):
+        images = _images_of(batch)
+        loss = self.distillation_loss(images)
+        # sync_dist: the logged value is the loss of the global batch, comparable across device counts.
+        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=True,
+                 batch_size=images.shape[0])
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False,
+                 batch_size=images.shape[0])
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        # Wall time between consecutive batch ends covers data loading, teacher and student.
+        now = time.perf_counter()
+        if self._last_batch_end is not None:
+            per_device = _images_of(batch).shape[0] / max(now - self._last_batch_end, 1e-9)
+            self.log("train/img_per_s_per_device", per_device, on_step=True, on_epoch=False)
+            self.log("train/img_per_s", per_device * self.trainer.world_size, on_step=True, on_epoch=False)
+        self._last_batch_end = now
+
+    def on_train_epoch_start(self) -> None:
+        self._last_batch_end = None
+
+    def on_validation_end(self) -> None:
+        self._last_batch_end = None  # validation time is not training throughput
+
+    def validation_step(self, batch, batch_idx):
+        images = _images_of(batch)
+        loss = self.distillation_loss(images)
+        self.log("val/loss", loss, on_step=False, on_epoch=True, prog_bar=True, sync_dist=True,
+                 batch_size=images.shape[0])
+        return loss
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking or not self.trainer.is_global_zero:
+            return
+        self._monitor_position()
+
+    # -- monitoring: positional probe and PCA images ----------------------------------------------
+
+    def _probe_sets(self) -> dict:
+        if self._probe_batches is None:
+            size = self.hparams.probe_image_size
+            sets = {"textures": _prepare([img for _, img in bundled_images("textures")], size)}
+            if self.hparams.probe_noise_images > 0:
+                sets["noise"] = _prepare([img for _, img in noise_images(self.hparams.probe_noise_images, size,
+                                                                         seed=0)], size)
+            if self.hparams.pca_images > 0:
+                photos = [img for _, img in bundled_images("photos")][: self.hparams.pca_images]
+                sets["pca"] = _prepare(photos, size)
+            self._probe_batches = sets
+        return self._probe_batches
+
+    @torch.no_grad()
+    def _features(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+        was_training = model.training
+        model.eval()
+        try:
+            dtype = next(model.parameters()).dtype  # "bf16-true"/"16-true" cast the weights, not these images
+            return patch_features(model, images.to(self.device, dtype)).float()
+        finally:
+            model.train(was_training)
+
+    def _probe(self, features: torch.Tensor) -> float:
+        return positional_r2(features, target="xy", fraction=self.hparams.probe_fraction,
+                             repeats=self.hparams.probe_repeats, seed=0)
+
+    def _monitor_position(self) -> None:
+        """Positional R² of student (each validation) and teacher (computed once) on fixed images; PCA images."""
+        sets = self._probe_sets()
+        probe_sets = [name for name in ("textures", "noise") if name in sets]
+        if self._teacher_reference is None:
+            teacher = self._teacher_on(sets["textures"].to(self.device))
+            self._teacher_reference = {name: self._probe(self._features(teacher, sets[name]))
+                                       for name in probe_sets}
+        for name in probe_sets:
+            self.log(f"val/probe_r2_{name}", self._probe(self._features(self.student, sets[name])),
+                     rank_zero_only=True)
+            self.log(f"val/teacher_probe_r2_{name}", self._teacher_reference[name], rank_zero_only=True)
+        if "pca" in sets and isinstance(self.logger, TensorBoardLogger):
+            images = sets["pca"]
+            pca = pca_rgb(self._features(self.student, images)).cpu()
+            shown = F.interpolate(pca, size=images.shape[-2:], mode="nearest")
+            # Input (de-normalised to [0, 1]) beside its PCA map, one row per image.
+            mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+            std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+            inputs = (images.cpu() * std + mean).clamp(0, 1)
+            self.logger.experiment.add_images("val/student_pca", torch.cat([inputs, shown], dim=-1),
+                                              global_step=self.global_step)
+
+    # -- optimisation -----------------------------------------------------------------------------
+
+    def configure_optimizers(self):
+        params = [p for p in self.student.parameters() if p.requires_grad]
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas))
+        if hp.warmup_steps == 0 and hp.lr_schedule == "constant":
+            return optimizer
+        total = 0
+        if hp.lr_schedule == "cosine":
+            estimate = float(self.trainer.estimated_stepping_batches)
+            if not math.isfinite(estimate) or estimate <= hp.warmup_steps:
+                raise ValueError(f"a cosine schedule needs a finite run longer than warmup_steps={hp.warmup_steps}; "
+                                 f"the trainer estimates {estimate:g} optimizer steps (set max_steps or max_epochs)")
+            total = int(estimate)
+        floor = hp.min_lr / hp.lr
+
+        def factor(step: int) -> float:
+            if step < hp.warmup_steps:
+                return (step + 1) / hp.warmup_steps
+            if hp.lr_schedule == "constant":
+                return 1.0
+            progress = min(1.0, (step - hp.warmup_steps) / (total - hp.warmup_steps))
+            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}

@@ -1,0 +1,83 @@
+"""``alibi-vit export``: the student of a distillation checkpoint as a plain timm state_dict.
+
+The result is the release format: ``timm.create_model("alibi_vit_small_patch14_reg4_dinov2",
+checkpoint_path=...)`` loads it (after ``import alibi_vit``), strictly. Before writing, the
+weights are loaded strictly into the student architecture rebuilt from the checkpoint's
+hyperparameters, so an export that would not load is never written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+__all__ = ["add_arguments", "export_student", "run"]
+
+_FORMATS = (".safetensors", ".pth", ".pt")
+
+
+def _read_checkpoint(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    try:
+        # Lightning checkpoints hold only tensors and plain containers; no code is unpickled.
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ValueError(f"cannot read Lightning checkpoint {path}: {type(err).__name__}: {err}") from err
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise ValueError(f"{path} is not a Lightning checkpoint (no 'state_dict')")
+    return ckpt
+
+
+def export_student(checkpoint, out, *, verify: bool = True) -> Path:
+    """Write the student weights of a ``DistillationModule`` checkpoint to ``out`` (.safetensors, .pth or .pt).
+
+    With ``verify`` the student is rebuilt from the checkpoint's hyperparameters (no teacher,
+    no download) and the weights are loaded into it strictly first; a mismatch lists the keys.
+    Returns the written path.
+    """
+    from alibi_vit import load_weights
+
+    from .distillation import build_student, student_state_dict
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    if out.suffix not in _FORMATS:
+        raise ValueError(f"output {out} must end in one of {', '.join(_FORMATS)}")
+    ckpt = _read_checkpoint(checkpoint)
+    state = {k: v.detach().clone().contiguous() for k, v in student_state_dict(ckpt["state_dict"]).items()}
+    hparams = dict(ckpt.get("hyper_parameters") or {})
+    name = hparams.get("student")
+    if verify:
+        if not name:
+            raise ValueError(f"{checkpoint} records no student name in its hyperparameters; pass verify=False "
+                             "to export without the check")
+        model = build_student(name, hparams.get("model_kwargs"), hparams.get("student_kwargs"))
+        load_weights(model, state, source=f"student weights of {checkpoint}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        metadata = {"format": "pt", "model": str(name), "source": checkpoint.name,
+                    "global_step": str(ckpt.get("global_step", "")),
+                    "model_kwargs": json.dumps(hparams.get("model_kwargs") or {}),
+                    "student_kwargs": json.dumps(hparams.get("student_kwargs") or {})}
+        save_file(state, str(out), metadata=metadata)
+    else:
+        torch.save(state, out)
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True, help="Lightning .ckpt of a distillation run")
+    parser.add_argument("--out", required=True, help="output file: .safetensors (recommended), .pth or .pt")
+    parser.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="skip loading the weights into the rebuilt student before writing")
+
+
+def run(args) -> int:
+    out = export_student(args.checkpoint, args.out, verify=args.verify)
+    print(f"wrote student weights to {out}")
+    return 0
