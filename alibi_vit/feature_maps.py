@@ -1,0 +1,309 @@
+"""Feature maps to look at: PCA to RGB, k-means segments, similarity to a query patch.
+
+For each image and each backbone, the (C, h, w) patch features become four panels:
+
+- ``PCA``: the first three principal components of the (centred) features, as RGB;
+- ``PCA std``: the same after standardising every channel (a few high-variance channels,
+  e.g. DINOv2's positional ones, no longer dominate);
+- ``k-means``: KMeans (scikit-learn, several initialisations) on standardised features, clusters
+  coloured by size (largest first) so panels of different backbones are comparable;
+- ``similarity``: cosine similarity of every patch to the query patch, 0 → dark, 1 → bright
+  (negative values clip to 0), query marked with a cross.
+
+Positional bias shows up as colour ramps in the PCA panels, clusters that follow image
+position instead of content, and similarity maps that decay with distance from the query.
+
+Command::
+
+    alibi-vit show --models vit_small_patch14_reg4_dinov2 alibi_vit_small_patch14_reg4_dinov2 \\
+        --checkpoint alibi_vit_small_patch14_reg4_dinov2=alibi_dv2_s14.pth \\
+        --images textures --out figures/ --size 448 --k 4
+
+``feature_map_grid`` returns the same figure as a (3, H, W) tensor for TensorBoard's ``add_image``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .features import patch_features
+from .images import bundled_images, list_images, load_image, normalize, resize_center_crop
+
+__all__ = [
+    "COLUMNS", "LABEL_HEIGHT", "PAD", "cosine_similarity_map", "feature_map_grid", "feature_panels", "grid_shape",
+    "kmeans_labels", "pca_rgb", "add_arguments", "run",
+]
+
+COLUMNS = ("image", "PCA", "PCA std", "k-means", "similarity")
+PAD = 4  # px between panels and around the figure
+LABEL_HEIGHT = 16  # px of the text strip above the header and above every model's row
+
+# Categorical colours for k-means clusters (Tableau 10), extended by evenly spaced hues for k > 10.
+_TAB10 = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
+          (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207))
+# Anchors of the viridis colour map; similarity panels interpolate linearly between them.
+_VIRIDIS = ((68, 1, 84), (72, 40, 120), (62, 74, 137), (49, 104, 142), (38, 130, 142), (31, 158, 137),
+            (53, 183, 121), (109, 205, 89), (180, 222, 44), (253, 231, 37))
+
+
+# ---- per-image feature analyses -------------------------------------------------------------
+
+def _as_matrix(features: torch.Tensor) -> np.ndarray:
+    """(C, h, w) → (h·w, C) float64 rows, one per patch."""
+    if features.dim() != 3:
+        raise ValueError(f"features must be (C, h, w), got shape {tuple(features.shape)}")
+    c = features.shape[0]
+    return features.detach().float().cpu().reshape(c, -1).T.numpy().astype(np.float64)
+
+
+def _standardise(x: np.ndarray) -> np.ndarray:
+    from sklearn.preprocessing import StandardScaler
+
+    return StandardScaler().fit_transform(x)
+
+
+def pca_rgb(features: torch.Tensor, standardise: bool = False) -> torch.Tensor:
+    """First three principal components of one image's patch features as a (3, h, w) image in [0, 1].
+
+    Each component is stretched between its 1st and 99th percentile (robust to a few extreme
+    patches). Component signs are arbitrary, as always with PCA.
+    """
+    from sklearn.decomposition import PCA
+
+    _, h, w = features.shape
+    x = _as_matrix(features)
+    if standardise:
+        x = _standardise(x)
+    n = min(3, x.shape[0], x.shape[1])
+    comps = PCA(n_components=n, random_state=0).fit_transform(x)
+    if n < 3:
+        comps = np.concatenate([comps, np.zeros((comps.shape[0], 3 - n))], axis=1)
+    lo, hi = np.percentile(comps, 1, axis=0), np.percentile(comps, 99, axis=0)
+    rgb = np.clip((comps - lo) / np.where(hi > lo, hi - lo, 1.0), 0.0, 1.0)
+    return torch.from_numpy(rgb.T.reshape(3, h, w)).float()
+
+
+def kmeans_labels(features: torch.Tensor, k: int = 4, n_init: int = 5, seed: int = 0) -> torch.Tensor:
+    """KMeans on standardised patch features → (h, w) cluster ids, 0 = the largest cluster."""
+    from sklearn.cluster import KMeans
+
+    _, h, w = features.shape
+    if not 1 <= k <= h * w:
+        raise ValueError(f"k must be between 1 and the number of patches ({h * w}), got {k}")
+    labels = KMeans(n_clusters=k, n_init=n_init, random_state=seed).fit_predict(_standardise(_as_matrix(features)))
+    order = np.argsort(-np.bincount(labels, minlength=k), kind="stable")  # relabel by size
+    rank = np.empty(k, dtype=np.int64)
+    rank[order] = np.arange(k)
+    return torch.from_numpy(rank[labels].reshape(h, w))
+
+
+def cosine_similarity_map(features: torch.Tensor, query) -> torch.Tensor:
+    """Cosine similarity (h, w) of every patch's features to the patch at ``query`` = (row, col)."""
+    _, h, w = features.shape
+    y, x = (int(q) for q in query)
+    if not (0 <= y < h and 0 <= x < w):
+        raise ValueError(f"query patch ({y}, {x}) is outside the {h}×{w} patch grid")
+    f = features.detach().float()
+    return F.cosine_similarity(f, f[:, y:y + 1, x:x + 1], dim=0)
+
+
+# ---- colouring and layout -------------------------------------------------------------------
+
+def _palette(k: int) -> torch.Tensor:
+    colours = list(_TAB10[:k])
+    if k > len(_TAB10):
+        import colorsys
+
+        extra = k - len(_TAB10)
+        colours += [tuple(round(255 * c) for c in colorsys.hsv_to_rgb(i / extra, 0.65, 0.9)) for i in range(extra)]
+    return torch.tensor(colours, dtype=torch.float32) / 255.0
+
+
+def _colour_labels(labels: torch.Tensor, k: int) -> torch.Tensor:
+    return _palette(k)[labels].permute(2, 0, 1)
+
+
+def _viridis(values: torch.Tensor) -> torch.Tensor:
+    """Values in [0, 1] (h, w) → (3, h, w) colours by linear interpolation between viridis anchors."""
+    anchors = torch.tensor(_VIRIDIS, dtype=torch.float32) / 255.0
+    pos = values.clamp(0, 1) * (len(anchors) - 1)
+    lo = pos.floor().long().clamp(max=len(anchors) - 2)
+    frac = (pos - lo).unsqueeze(-1)
+    return (anchors[lo] * (1 - frac) + anchors[lo + 1] * frac).permute(2, 0, 1)
+
+
+def _upsample(panel: torch.Tensor, size) -> torch.Tensor:
+    """Patch-grid panel → image size; nearest keeps patches visible as blocks."""
+    return F.interpolate(panel[None], size=tuple(size), mode="nearest")[0]
+
+
+def _mark(panel: torch.Tensor, y: int, x: int, radius: int = 4) -> torch.Tensor:
+    """Red cross centred at pixel (y, x)."""
+    panel = panel.clone()
+    h, w = panel.shape[-2:]
+    red = torch.tensor([1.0, 0.1, 0.1]).view(3, 1)
+    panel[:, y, max(x - radius, 0):min(x + radius + 1, w)] = red
+    panel[:, max(y - radius, 0):min(y + radius + 1, h), x] = red
+    return panel
+
+
+def feature_panels(features: torch.Tensor, image: torch.Tensor, k: int = 4, query=None,
+                   patch_size=(14, 14), n_init: int = 5) -> dict[str, torch.Tensor]:
+    """The five panels of ``COLUMNS`` for one image (3, H, W) in [0, 1] and its (C, h, w) features.
+
+    ``query`` = (y, x) in image pixels (default: the centre); every panel is (3, H, W) in [0, 1].
+    """
+    H, W = image.shape[-2:]
+    _, h, w = features.shape
+    qy, qx = (H // 2, W // 2) if query is None else (int(query[0]), int(query[1]))
+    if not (0 <= qy < H and 0 <= qx < W):
+        raise ValueError(f"query pixel ({qy}, {qx}) is outside the {H}×{W} image")
+    ph, pw = patch_size
+    similarity = cosine_similarity_map(features, (min(qy // ph, h - 1), min(qx // pw, w - 1)))
+    panels = {
+        "image": _mark(image.float().clamp(0, 1), qy, qx),
+        "PCA": _upsample(pca_rgb(features), (H, W)),
+        "PCA std": _upsample(pca_rgb(features, standardise=True), (H, W)),
+        "k-means": _upsample(_colour_labels(kmeans_labels(features, k, n_init=n_init), k), (H, W)),
+        "similarity": _mark(_upsample(_viridis(similarity), (H, W)), qy, qx),
+    }
+    return panels
+
+
+def grid_shape(n_models: int, panel_size, n_columns: int = len(COLUMNS)) -> tuple[int, int]:
+    """(height, width) in px of the figure ``feature_map_grid`` draws.
+
+    Layout: a header strip (LABEL_HEIGHT) with the column titles, then per model a strip with
+    its name (LABEL_HEIGHT) over a row of panels; PAD px between and around everything.
+    """
+    ph, pw = panel_size
+    width = PAD + n_columns * (pw + PAD)
+    height = LABEL_HEIGHT + n_models * (LABEL_HEIGHT + ph + PAD) + PAD
+    return height, width
+
+
+def _draw_text(canvas: torch.Tensor, texts: list[tuple[int, int, str]]) -> torch.Tensor:
+    """Write black text at (top, left) positions onto a (3, H, W) float canvas with PIL's built-in font."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    img = Image.fromarray((canvas.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
+    draw = ImageDraw.Draw(img)
+    try:
+        font = ImageFont.load_default(size=LABEL_HEIGHT - 4)
+    except TypeError:  # Pillow < 10.1 has only the fixed bitmap font
+        font = ImageFont.load_default()
+    for top, left, text in texts:
+        draw.text((left, top), text, fill=(0, 0, 0), font=font)
+    return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).float() / 255.0
+
+
+def feature_map_grid(models: dict, image: torch.Tensor, k: int = 4, query=None, n_init: int = 5,
+                     labels: bool = True) -> torch.Tensor:
+    """One figure (3, H, W) in [0, 1]: a row of ``COLUMNS`` panels per model, for TensorBoard or PNG.
+
+    ``models`` maps a row label to a backbone (timm ViT); ``image`` is (3, H, W) in [0, 1], both
+    sides multiples of the patch size. Use ``SummaryWriter.add_image(tag, grid)`` (CHW).
+    """
+    if not models:
+        raise ValueError("feature_map_grid needs at least one model")
+    H, W = image.shape[-2:]
+    height, width = grid_shape(len(models), (H, W))
+    canvas = torch.ones(3, height, width)
+    texts = [(2, PAD + c * (W + PAD), title + (f" k={k}" if title == "k-means" else ""))
+             for c, title in enumerate(COLUMNS)]
+    for r, (name, model) in enumerate(models.items()):
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            features = patch_features(model, normalize(image)[None].to(device))[0].cpu()
+        panels = feature_panels(features, image, k=k, query=query, patch_size=tuple(model.patch_embed.patch_size),
+                                n_init=n_init)
+        top = LABEL_HEIGHT + r * (LABEL_HEIGHT + H + PAD) + LABEL_HEIGHT
+        texts.append((top - LABEL_HEIGHT + 2, PAD, str(name)))
+        for c, column in enumerate(COLUMNS):
+            left = PAD + c * (W + PAD)
+            canvas[:, top:top + H, left:left + W] = panels[column]
+    return _draw_text(canvas, texts) if labels else canvas
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", "--model", nargs="+", required=True, metavar="NAME",
+                        help="backbones by timm name, e.g. vit_small_patch14_reg4_dinov2 "
+                             "alibi_vit_small_patch14_reg4_dinov2")
+    parser.add_argument("--images", required=True,
+                        help="a folder of images, or a bundled set: textures, micrographs, photos")
+    parser.add_argument("--out", required=True, help="output folder for one PNG per image")
+    parser.add_argument("--size", type=int, default=448, help="images are resized and centre-cropped to SIZE² px")
+    parser.add_argument("--k", type=int, default=4, help="k-means clusters")
+    parser.add_argument("--n-init", type=int, default=5, help="k-means initialisations")
+    parser.add_argument("--query", nargs=2, type=int, default=None, metavar=("Y", "X"),
+                        help="query pixel for the similarity map in the resized image (default: centre)")
+    parser.add_argument("--checkpoint", action="append", default=[], metavar="[NAME=]PATH",
+                        help="plain timm state_dict for model NAME (repeatable; NAME= may be omitted with one "
+                             "model); models without one get timm's pretrained weights")
+    parser.add_argument("--random-init", action="store_true",
+                        help="no pretrained weights for models without --checkpoint (smoke tests)")
+    parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="architecture override passed to timm for every model, e.g. depth=2")
+    parser.add_argument("--tensorboard", default=None, metavar="DIR", help="also write the figures to TensorBoard")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
+
+
+def _load_images(spec: str, size: int) -> list[tuple[str, torch.Tensor]]:
+    from .images import BUNDLED_SETS
+
+    if spec in BUNDLED_SETS and not Path(spec).exists():
+        named = bundled_images(spec)
+    else:
+        named = [(p.stem, load_image(p)) for p in list_images(spec)]
+    return [(name, resize_center_crop(img, size)) for name, img in named]
+
+
+def run(args) -> int:
+    from tqdm.auto import tqdm
+
+    from . import MODEL_NAMES, create_backbone
+
+    from .probe_cli import _parse_checkpoints, _parse_model_args  # same option syntax as `alibi-vit probe`
+
+    checkpoints = _parse_checkpoints(args.checkpoint, args.models)
+    model_kwargs = _parse_model_args(args.model_arg)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    images = _load_images(args.images, args.size)
+    models = {}
+    for name in args.models:
+        checkpoint = checkpoints.get(name)
+        pretrained = checkpoint is None and not args.random_init
+        if name in MODEL_NAMES and pretrained:
+            print(f"note: {name} has no --checkpoint; showing DINOv2 weights converted without distillation",
+                  file=sys.stderr)
+        model = create_backbone(name, pretrained=pretrained, checkpoint=checkpoint, **model_kwargs)
+        models[name] = model.to(device).eval()
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    writer = None
+    if args.tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(args.tensorboard)
+    from PIL import Image
+
+    for name, image in tqdm(images, desc="feature maps", unit="image"):
+        grid = feature_map_grid(models, image, k=args.k, query=args.query, n_init=args.n_init)
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+        Image.fromarray((grid.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)).save(out / f"{safe}.png")
+        if writer is not None:
+            writer.add_image(f"feature_maps/{safe}", grid, dataformats="CHW")
+    if writer is not None:
+        writer.close()
+    print(f"wrote {len(images)} figure(s) to {out}")
+    return 0

@@ -1,0 +1,235 @@
+"""Segmentation datamodules on small fixture datasets written in the real on-disk layouts."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from alibi_vit.images import IMAGENET_MEAN, IMAGENET_STD
+from datamodules.segmentation import (
+    ADE20K_CLASSES, COCO_STUFF_CLASSES, IGNORE_INDEX, VOC_CLASSES, ADE20KSegmentation, COCOStuffSegmentation,
+    DatasetLayoutError, VOCSegmentation, write_synthetic_voc,
+)
+
+
+def nearest_exact(label: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
+    """Independent pixel-centre nearest resampling: output pixel i reads source floor((i + 0.5)·H/out)."""
+    h, w = label.shape
+    rows = np.minimum(((np.arange(out_h) + 0.5) * h / out_h).astype(int), h - 1)
+    cols = np.minimum(((np.arange(out_w) + 0.5) * w / out_w).astype(int), w - 1)
+    return label[rows][:, cols]
+
+
+@pytest.fixture
+def voc_root(tmp_path):
+    return write_synthetic_voc(tmp_path / "voc", n_train=5, n_val=3, seed=1)
+
+
+def test_class_lists_have_the_dataset_sizes():
+    assert (len(VOC_CLASSES), len(ADE20K_CLASSES), len(COCO_STUFF_CLASSES)) == (21, 150, 171)
+    assert VOCSegmentation.num_classes == 21 and ADE20KSegmentation.num_classes == 150
+    assert COCOStuffSegmentation.num_classes == 171
+
+
+def test_voc_reads_palette_masks_as_indices_with_ignore(voc_root):
+    dm = VOCSegmentation(str(voc_root), image_size=56, batch_size=4, num_workers=0)
+    dm.setup("fit")
+    base = voc_root / "VOCdevkit" / "VOC2012"
+    train_ids = (base / "ImageSets/Segmentation/train.txt").read_text().split()
+    assert [s.image_id for s in dm.train_set.samples] == train_ids
+    item = dm.val_set[0]
+    mask = Image.open(base / "SegmentationClass" / f"{item['image_id']}.png")
+    assert mask.mode == "P" and mask.size[0] % 14 and mask.size[1] % 14  # odd sizes, not multiples of 14
+    expected = nearest_exact(np.array(mask), 56, 56)
+    assert IGNORE_INDEX in expected  # the object borders
+    np.testing.assert_array_equal(item["label"].numpy(), expected)
+    assert item["label"].dtype == torch.int64 and item["image"].shape == (3, 56, 56)
+
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["image"].shape == (4, 3, 56, 56) and batch["label"].shape == (4, 56, 56)
+    assert set(batch["label"].unique().tolist()) <= {0, 1, 2, 3, IGNORE_INDEX}
+
+
+def test_crop_mode_keeps_aspect_and_crops_the_centre(voc_root):
+    dm = VOCSegmentation(str(voc_root), image_size=28, resize_mode="crop", num_workers=0)
+    dm.setup("validate")
+    item = dm.val_set[1]
+    label = np.array(Image.open(voc_root / "VOCdevkit/VOC2012/SegmentationClass" / f"{item['image_id']}.png"))
+    h, w = label.shape
+    scale = max(28 / h, 28 / w)
+    new_h, new_w = max(28, round(h * scale)), max(28, round(w * scale))
+    top, left = (new_h - 28) // 2, (new_w - 28) // 2
+    expected = nearest_exact(label, new_h, new_w)[top:top + 28, left:left + 28]
+    np.testing.assert_array_equal(item["label"].numpy(), expected)
+
+
+def test_voc2007_validates_on_its_val_split(tmp_path):
+    root = write_synthetic_voc(tmp_path, n_train=4, n_val=2, year=2007)
+    dm = VOCSegmentation(str(root / "VOCdevkit"), year=2007, image_size=28, num_workers=0)  # root may be VOCdevkit
+    dm.setup("fit")
+    val_ids = (root / "VOCdevkit/VOC2007/ImageSets/Segmentation/val.txt").read_text().split()
+    assert [s.image_id for s in dm.val_set.samples] == val_ids
+    assert not {s.image_id for s in dm.val_set.samples} & {s.image_id for s in dm.train_set.samples}
+    with pytest.raises(ValueError, match="held-out"):
+        VOCSegmentation(str(root), year=2007, val_split="train")
+    # a val split file that lists training images is caught too
+    (root / "VOCdevkit/VOC2007/ImageSets/Segmentation/trainval.txt").write_text(
+        (root / "VOCdevkit/VOC2007/ImageSets/Segmentation/train.txt").read_text())
+    with pytest.raises(ValueError, match="also training images"):
+        VOCSegmentation(str(root), year=2007, val_split="trainval").setup("fit")
+
+
+def test_images_are_imagenet_normalised(tmp_path):
+    """A flat-colour ADE20K image must come out as (colour - mean) / std in every pixel."""
+    base = tmp_path / "ADEChallengeData2016"
+    for split in ("training", "validation"):
+        (base / "images" / split).mkdir(parents=True)
+        (base / "annotations" / split).mkdir(parents=True)
+    colour = (200, 100, 30)
+    Image.fromarray(np.full((33, 47, 3), colour, np.uint8)).save(base / "images/validation/ADE_val_1.png")
+    Image.fromarray(np.ones((33, 47), np.uint8)).save(base / "annotations/validation/ADE_val_1.png")
+    dm = ADE20KSegmentation(str(tmp_path), image_size=28, num_workers=0)
+    dm.setup("validate")
+    image = dm.val_set[0]["image"]
+    expected = (torch.tensor(colour) / 255.0 - torch.tensor(IMAGENET_MEAN)) / torch.tensor(IMAGENET_STD)
+    torch.testing.assert_close(image, expected.view(3, 1, 1).expand(3, 28, 28), atol=1e-4, rtol=0)
+
+
+def write_ade20k(root, label_values):
+    base = root / "ADEChallengeData2016"
+    rng = np.random.default_rng(0)
+    for split, n in (("training", 2), ("validation", 1)):
+        (base / "images" / split).mkdir(parents=True)
+        (base / "annotations" / split).mkdir(parents=True)
+        for i in range(n):
+            stem = f"ADE_{split}_{i:08d}"
+            image = rng.integers(0, 255, (28, 42, 3), dtype=np.uint8)
+            Image.fromarray(image).save(base / "images" / split / f"{stem}.jpg")
+            Image.fromarray(label_values).save(base / "annotations" / split / f"{stem}.png")  # mode L
+    return root
+
+
+def test_ade20k_maps_other_to_ignore_and_shifts_classes(tmp_path):
+    stored = np.zeros((28, 42), np.uint8)
+    stored[:, 10:20], stored[:, 20:30], stored[:, 30:] = 1, 37, 150
+    root = write_ade20k(tmp_path, stored)
+    dm = ADE20KSegmentation(str(root), image_size=[28, 42], num_workers=0)  # same size: no resampling
+    dm.setup("fit")
+    assert len(dm.train_set) == 2 and len(dm.val_set) == 1
+    label = dm.val_set[0]["label"].numpy()
+    expected = np.where(stored == 0, 255, stored.astype(np.int64) - 1)
+    np.testing.assert_array_equal(label, expected)
+    assert (ADE20K_CLASSES[0], ADE20K_CLASSES[36], ADE20K_CLASSES[149]) == ("wall", "lamp", "flag")  # stored 1, 37, 150
+
+
+def write_cocostuff_maps(root, stored):
+    for split in ("train2017", "val2017"):
+        (root / split).mkdir(parents=True)
+        (root / "stuffthingmaps_trainval2017" / split).mkdir(parents=True)
+        Image.fromarray(np.full((*stored.shape, 3), 90, np.uint8)).save(root / split / "000000000139.jpg")
+        Image.fromarray(stored).save(root / "stuffthingmaps_trainval2017" / split / "000000000139.png")
+    return root
+
+
+def test_cocostuff_stuffthingmaps_to_171_classes(tmp_path):
+    # stored value = COCO category id - 1: person(1), toothbrush(90), banner(92), wood(182), unused 12 and 91, 255
+    stored = np.array([[0, 89, 91, 181, 11, 90, 255]], np.uint8).repeat(14, axis=0)
+    root = write_cocostuff_maps(tmp_path, stored)
+    dm = COCOStuffSegmentation(str(root), image_size=list(stored.shape), num_workers=0)
+    dm.setup("validate")
+    label = dm.val_set[0]["label"][0].tolist()
+    assert label == [0, 79, 80, 170, 255, 255, 255]
+    names = [COCO_STUFF_CLASSES[i] for i in label[:4]]
+    assert names == ["person", "toothbrush", "banner", "wood"]
+
+
+def test_cocostuff_json_rendering_matches_the_maps(tmp_path):
+    """COCO JSON (things over stuff, 'other' ignored) renders to the same labels as the equivalent map."""
+    h, w = 28, 42
+    stored = np.full((h, w), 255, np.uint8)
+    stored[:, :] = 91  # banner (id 92) everywhere ...
+    stored[5:15, 10:30] = 0  # ... a person (id 1) on top
+    root = write_cocostuff_maps(tmp_path, stored)
+
+    def rect(y0, x0, y1, x1):
+        return [[x0, y0, x1, y0, x1, y1, x0, y1]]
+
+    image = {"id": 139, "file_name": "000000000139.jpg", "height": h, "width": w}
+    things = {"images": [image], "categories": [{"id": 1, "name": "person"}],
+              "annotations": [{"id": 1, "image_id": 139, "category_id": 1, "segmentation": rect(5, 10, 15, 30),
+                               "area": 200.0, "bbox": [10, 5, 20, 10], "iscrowd": 0}]}
+    stuff = {"images": [image], "categories": [{"id": 92, "name": "banner"}, {"id": 183, "name": "other"}],
+             "annotations": [{"id": 2, "image_id": 139, "category_id": 92, "segmentation": rect(0, 0, h, w),
+                              "area": float(h * w), "bbox": [0, 0, w, h], "iscrowd": 0},
+                             {"id": 3, "image_id": 139, "category_id": 183, "segmentation": rect(20, 0, h, 5),
+                              "area": 40.0, "bbox": [0, 20, 5, 8], "iscrowd": 0}]}
+    (root / "annotations").mkdir()
+    for name, data in (("instances_val2017.json", things), ("stuff_val2017.json", stuff)):
+        (root / "annotations" / name).write_text(json.dumps(data))
+    from_json = COCOStuffSegmentation(str(root), image_size=[h, w], num_workers=0,
+                                      val_annotations=["annotations/instances_val2017.json",
+                                                       "annotations/stuff_val2017.json"])
+    from_json.setup("validate")
+    from_maps = COCOStuffSegmentation(str(root), image_size=[h, w], num_workers=0)
+    from_maps.setup("validate")
+    json_label, map_label = from_json.val_set[0]["label"], from_maps.val_set[0]["label"]
+    assert (json_label == 0).sum() > 150 and (json_label == 80).sum() > 600
+    assert torch.equal(json_label, map_label)
+
+
+def test_missing_folders_and_split_files_say_what_layout_was_expected(tmp_path, voc_root):
+    with pytest.raises(DatasetLayoutError, match=r"(?s)JPEGImages.*expected layout.*ImageSets/Segmentation"):
+        VOCSegmentation(str(tmp_path / "nowhere")).setup("fit")
+    (voc_root / "VOCdevkit/VOC2012/ImageSets/Segmentation/val.txt").unlink()
+    with pytest.raises(DatasetLayoutError, match=r"(?s)split file.*val\.txt.*expected layout"):
+        VOCSegmentation(str(voc_root)).setup("fit")
+    with pytest.raises(DatasetLayoutError, match=r"(?s)annotation folder.*ADEChallengeData2016/annotations"):
+        (tmp_path / "ade" / "ADEChallengeData2016" / "images" / "training").mkdir(parents=True)
+        ADE20KSegmentation(str(tmp_path / "ade")).setup("fit")
+    with pytest.raises(DatasetLayoutError, match=r"(?s)stuffthingmaps.*expected layout"):
+        (tmp_path / "coco" / "train2017").mkdir(parents=True)
+        COCOStuffSegmentation(str(tmp_path / "coco")).setup("fit")
+
+
+def test_missing_label_file_is_named(voc_root):
+    val_id = (voc_root / "VOCdevkit/VOC2012/ImageSets/Segmentation/val.txt").read_text().split()[0]
+    (voc_root / f"VOCdevkit/VOC2012/SegmentationClass/{val_id}.png").unlink()
+    with pytest.raises(DatasetLayoutError, match=f"{val_id}.png"):
+        VOCSegmentation(str(voc_root)).setup("validate")
+
+
+def test_rgb_colour_masks_are_refused(voc_root):
+    val_id = (voc_root / "VOCdevkit/VOC2012/ImageSets/Segmentation/val.txt").read_text().split()[0]
+    path = voc_root / f"VOCdevkit/VOC2012/SegmentationClass/{val_id}.png"
+    Image.open(path).convert("RGB").save(path)
+    dm = VOCSegmentation(str(voc_root), image_size=28, num_workers=0)
+    dm.setup("validate")
+    with pytest.raises(ValueError, match="palette"):
+        dm.val_set[0]
+
+
+def test_augmentation_flips_pairs_in_training_only(voc_root):
+    dm = VOCSegmentation(str(voc_root), image_size=28, augment=True, num_workers=0)
+    dm.setup("fit")
+    plain = VOCSegmentation(str(voc_root), image_size=28, num_workers=0)
+    plain.setup("fit")
+    reference = plain.train_set[0]
+    random.seed(0)
+    flipped = 0
+    for _ in range(12):
+        item = dm.train_set[0]
+        is_flipped = not torch.equal(item["label"], reference["label"])
+        if is_flipped:
+            flipped += 1
+            torch.testing.assert_close(item["image"], reference["image"].flip(-1))
+            assert torch.equal(item["label"], reference["label"].flip(-1))
+        else:
+            torch.testing.assert_close(item["image"], reference["image"])
+    assert 0 < flipped < 12
+    for _ in range(4):  # validation never augments
+        assert torch.equal(dm.val_set[0]["label"], plain.val_set[0]["label"])
+    with pytest.raises(ValueError, match="augment=False"):
+        dm.attach_feature_cache(object())
