@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -34,11 +33,12 @@ import torch
 import torch.nn.functional as F
 
 from .features import patch_features
-from .images import bundled_images, list_images, load_image, normalize, resize_center_crop
+from .cli_options import add_image_arguments, add_model_arguments, build_models, images_from_args
+from .images import normalize
 
 __all__ = [
     "COLUMNS", "LABEL_HEIGHT", "PAD", "cosine_similarity_map", "feature_map_grid", "feature_panels", "grid_shape",
-    "kmeans_labels", "pca_rgb", "add_arguments", "run",
+    "kmeans_labels", "pca_rgb", "shared_pca_rgb", "add_arguments", "run",
 ]
 
 COLUMNS = ("image", "PCA", "PCA std", "k-means", "similarity")
@@ -88,6 +88,26 @@ def pca_rgb(features: torch.Tensor, standardise: bool = False) -> torch.Tensor:
     lo, hi = np.percentile(comps, 1, axis=0), np.percentile(comps, 99, axis=0)
     rgb = np.clip((comps - lo) / np.where(hi > lo, hi - lo, 1.0), 0.0, 1.0)
     return torch.from_numpy(rgb.T.reshape(3, h, w)).float()
+
+
+def shared_pca_rgb(features: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) features → (B, 3, h, w) in [0, 1]: the first three principal components as RGB.
+
+    One PCA over all images' patches, so colours are comparable between images; components
+    are sign-fixed (largest loading positive) so colours do not flip between validations.
+    """
+    B, C, h, w = features.shape
+    x = features.detach().float().permute(0, 2, 3, 1).reshape(-1, C)
+    x = x - x.mean(dim=0, keepdim=True)
+    _, _, vh = torch.linalg.svd(x, full_matrices=False)
+    comps = vh[:3]
+    comps = comps * torch.sign(comps.gather(1, comps.abs().argmax(dim=1, keepdim=True)))
+    proj = x @ comps.T
+    if proj.shape[1] < 3:  # fewer than 3 channels: pad with grey
+        proj = torch.cat([proj, proj.new_zeros(proj.shape[0], 3 - proj.shape[1])], dim=1)
+    lo, hi = proj.min(dim=0).values, proj.max(dim=0).values
+    rgb = (proj - lo) / (hi - lo).clamp_min(1e-8)
+    return rgb.reshape(B, h, w, 3).permute(0, 3, 1, 2).clamp(0.0, 1.0)
 
 
 def kmeans_labels(features: torch.Tensor, k: int = 4, n_init: int = 5, seed: int = 0) -> torch.Tensor:
@@ -235,58 +255,21 @@ def feature_map_grid(models: dict, image: torch.Tensor, k: int = 4, query=None, 
 # ---- command line ---------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", "--model", nargs="+", required=True, metavar="NAME",
-                        help="backbones by timm name, e.g. vit_small_patch14_reg4_dinov2 "
-                             "alibi_vit_small_patch14_reg4_dinov2")
-    parser.add_argument("--images", required=True,
-                        help="a folder of images, or a bundled set: textures, micrographs, photos")
+    add_model_arguments(parser)
+    add_image_arguments(parser, default_size=448)
     parser.add_argument("--out", required=True, help="output folder for one PNG per image")
-    parser.add_argument("--size", type=int, default=448, help="images are resized and centre-cropped to SIZE² px")
     parser.add_argument("--k", type=int, default=4, help="k-means clusters")
     parser.add_argument("--n-init", type=int, default=5, help="k-means initialisations")
     parser.add_argument("--query", nargs=2, type=int, default=None, metavar=("Y", "X"),
                         help="query pixel for the similarity map in the resized image (default: centre)")
-    parser.add_argument("--checkpoint", action="append", default=[], metavar="[NAME=]PATH",
-                        help="plain timm state_dict for model NAME (repeatable; NAME= may be omitted with one "
-                             "model); models without one get timm's pretrained weights")
-    parser.add_argument("--random-init", action="store_true",
-                        help="no pretrained weights for models without --checkpoint (smoke tests)")
-    parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="architecture override passed to timm for every model, e.g. depth=2")
     parser.add_argument("--tensorboard", default=None, metavar="DIR", help="also write the figures to TensorBoard")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
-
-
-def _load_images(spec: str, size: int) -> list[tuple[str, torch.Tensor]]:
-    from .images import BUNDLED_SETS
-
-    if spec in BUNDLED_SETS and not Path(spec).exists():
-        named = bundled_images(spec)
-    else:
-        named = [(p.stem, load_image(p)) for p in list_images(spec)]
-    return [(name, resize_center_crop(img, size)) for name, img in named]
 
 
 def run(args) -> int:
     from tqdm.auto import tqdm
 
-    from . import MODEL_NAMES, create_backbone
-
-    from .probe_cli import _parse_checkpoints, _parse_model_args  # same option syntax as `alibi-vit probe`
-
-    checkpoints = _parse_checkpoints(args.checkpoint, args.models)
-    model_kwargs = _parse_model_args(args.model_arg)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    images = _load_images(args.images, args.size)
-    models = {}
-    for name in args.models:
-        checkpoint = checkpoints.get(name)
-        pretrained = checkpoint is None and not args.random_init
-        if name in MODEL_NAMES and pretrained:
-            print(f"note: {name} has no --checkpoint; showing DINOv2 weights converted without distillation",
-                  file=sys.stderr)
-        model = create_backbone(name, pretrained=pretrained, checkpoint=checkpoint, **model_kwargs)
-        models[name] = model.to(device).eval()
+    images = images_from_args(args)
+    models = dict(build_models(args))
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

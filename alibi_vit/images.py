@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "IMAGE_EXTENSIONS", "IMAGENET_MEAN", "IMAGENET_STD", "ImageReadError", "bundled_images", "list_images",
-    "load_image", "noise_images", "normalize", "resize_center_crop", "to_rgb_tensor",
+    "IMAGE_EXTENSIONS", "IMAGENET_MEAN", "IMAGENET_STD", "ImageReadError", "bundled_images", "denormalize",
+    "list_images", "load_image", "load_image_set", "noise_images", "normalize", "resize_center_crop", "to_rgb_tensor",
 ]
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp")
@@ -117,11 +117,22 @@ def resize_center_crop(image: torch.Tensor, size) -> torch.Tensor:
     return image[..., top:top + out_h, left:left + out_w].clamp(0.0, 1.0)
 
 
+def _mean_std(like: torch.Tensor):
+    mean = torch.tensor(IMAGENET_MEAN, dtype=like.dtype, device=like.device).view(3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, dtype=like.dtype, device=like.device).view(3, 1, 1)
+    return mean, std
+
+
 def normalize(image: torch.Tensor) -> torch.Tensor:
     """ImageNet mean/std normalisation used by DINOv2, for (3, H, W) or (B, 3, H, W) in [0, 1]."""
-    mean = torch.tensor(IMAGENET_MEAN, dtype=image.dtype, device=image.device).view(3, 1, 1)
-    std = torch.tensor(IMAGENET_STD, dtype=image.dtype, device=image.device).view(3, 1, 1)
+    mean, std = _mean_std(image)
     return (image - mean) / std
+
+
+def denormalize(image: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`normalize`, clamped to [0, 1] for display."""
+    mean, std = _mean_std(image)
+    return (image * std + mean).clamp(0.0, 1.0)
 
 
 def bundled_images(name: str = "textures") -> list[tuple[str, torch.Tensor]]:
@@ -143,3 +154,14 @@ def noise_images(count: int, size, seed: int = 0) -> list[tuple[str, torch.Tenso
     h, w = (size, size) if isinstance(size, int) else size
     gen = torch.Generator().manual_seed(seed)
     return [(f"noise_{i}", torch.rand(3, h, w, generator=gen)) for i in range(count)]
+
+
+def load_image_set(source: str, size: int, noise_count: int = 8, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """(name, (3, size, size) image in [0, 1]) for a folder, a bundled set or ``"noise"``, resized and cropped."""
+    if source == "noise":
+        named = noise_images(noise_count, size, seed)
+    elif source in BUNDLED_SETS and not Path(source).exists():
+        named = bundled_images(source)
+    else:
+        named = [(p.stem, load_image(p)) for p in list_images(source)]
+    return [(name, resize_center_crop(img, size)) for name, img in named]

@@ -7,76 +7,27 @@ one row per block (the per-layer fingerprint) and a per-channel CSV.
 from __future__ import annotations
 
 import argparse
-import ast
 import csv
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from .images import BUNDLED_SETS, bundled_images, list_images, load_image, noise_images, normalize, resize_center_crop
+from .cli_options import add_image_arguments, add_model_arguments, build_models, images_from_args
+from .images import normalize
 from .probe import TARGETS, per_channel_r2, positional_r2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", nargs="+", required=True, metavar="NAME",
-                        help="timm model names, e.g. vit_small_patch14_reg4_dinov2 alibi_vit_small_patch14_reg4_dinov2")
-    parser.add_argument("--checkpoint", action="append", default=[], metavar="[NAME=]PATH",
-                        help="timm state_dict for a model (NAME= may be omitted with one model)")
-    parser.add_argument("--pretrained", action="store_true",
-                        help="load timm's pretrained weights (needs the hub or a local cache)")
-    parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="architecture override passed to timm for every model, e.g. depth=2")
-    parser.add_argument("--images", required=True, metavar="DIR|SET|noise",
-                        help=f"a folder of images, a bundled set ({', '.join(BUNDLED_SETS)}) or 'noise'")
-    parser.add_argument("--noise-count", type=int, default=8, help="number of noise images for --images noise")
-    parser.add_argument("--size", type=int, default=224, help="images are resized and centre-cropped to SIZE px")
+    add_model_arguments(parser)
+    add_image_arguments(parser, default_size=224)
     parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
     parser.add_argument("--fraction", type=float, default=0.025, help="share of patches the probe is fitted on")
     parser.add_argument("--repeats", type=int, default=10, help="random samplings per image")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--per-layer", action="store_true", help="probe every block's output too")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("probe_results.csv"), help="CSV file to write")
-
-
-def _parse_model_args(items):
-    kwargs = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--model-arg expects KEY=VALUE, got {item!r}")
-        try:
-            kwargs[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            kwargs[key] = value
-    return kwargs
-
-
-def _parse_checkpoints(items, models):
-    found = {}
-    for item in items:
-        name, sep, path = item.partition("=")
-        if not sep:
-            if len(models) != 1:
-                raise SystemExit("with several models, write --checkpoint NAME=PATH")
-            name, path = models[0], item
-        if name not in models:
-            raise SystemExit(f"--checkpoint names {name!r}, which is not among --model {' '.join(models)}")
-        found[name] = path
-    return found
-
-
-def load_probe_images(source: str, size: int, noise_count: int = 8, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
-    """(name, normalised (3, size, size) tensor) for a folder, a bundled set or 'noise'."""
-    if source == "noise":
-        raw = noise_images(noise_count, size, seed)
-    elif source in BUNDLED_SETS:
-        raw = bundled_images(source)
-    else:
-        raw = [(p.name, load_image(p)) for p in list_images(source)]
-    return [(name, normalize(resize_center_crop(img, size))) for name, img in raw]
 
 
 @torch.no_grad()
@@ -94,16 +45,9 @@ def _features(model, images, batch_size, device, layers):
 
 
 def run(args) -> int:
-    from .checkpoint import create_backbone
-
-    model_kwargs = _parse_model_args(args.model_arg)
-    checkpoints = _parse_checkpoints(args.checkpoint, args.model)
-    named = load_probe_images(args.images, args.size, args.noise_count, args.seed)
-    images = [img for _, img in named]
+    images = [normalize(img) for _, img in images_from_args(args)]
     rows, channel_rows = [], []
-    for name in args.model:
-        model = create_backbone(name, pretrained=args.pretrained, checkpoint=checkpoints.get(name), **model_kwargs)
-        model = model.to(args.device).eval()
+    for name, model in build_models(args):
         layers = list(range(len(model.blocks))) if args.per_layer else None
         feats = _features(model, images, args.batch_size, args.device, layers)
         for layer, f in tqdm(feats.items(), desc=f"probe {name}", leave=False):

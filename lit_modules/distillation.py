@@ -29,11 +29,12 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 import alibi_vit
 from alibi_vit import create_backbone, load_state_dict_file, load_weights, patch_features
-from alibi_vit.images import bundled_images, noise_images, normalize, resize_center_crop
+from alibi_vit.feature_maps import shared_pca_rgb
+from alibi_vit.images import bundled_images, denormalize, noise_images, normalize, resize_center_crop
 from alibi_vit.models import POSITION_KWARGS
 from alibi_vit.probe import positional_r2
 
-__all__ = ["DistillationModule", "build_student", "cosine_distance", "copy_teacher_weights", "pca_rgb",
+__all__ = ["DistillationModule", "build_student", "cosine_distance", "copy_teacher_weights",
            "student_state_dict"]
 
 # Parameters an ALiBi student may have that no DINOv2 teacher has: learned slopes (SPEC.md §2).
@@ -101,26 +102,6 @@ def cosine_distance(student: torch.Tensor, target: torch.Tensor) -> torch.Tensor
         raise ValueError(f"student features {tuple(student.shape)} and target {tuple(target.shape)} differ in shape")
     cos = F.cosine_similarity(student.float(), target.float(), dim=1, eps=1e-8)
     return (1.0 - cos).mean()
-
-
-def pca_rgb(features: torch.Tensor) -> torch.Tensor:
-    """(B, C, h, w) features → (B, 3, h, w) in [0, 1]: the first three principal components as RGB.
-
-    One PCA over all images' patches, so colours are comparable between images; components
-    are sign-fixed (largest loading positive) so colours do not flip between validations.
-    """
-    B, C, h, w = features.shape
-    x = features.detach().float().permute(0, 2, 3, 1).reshape(-1, C)
-    x = x - x.mean(dim=0, keepdim=True)
-    _, _, vh = torch.linalg.svd(x, full_matrices=False)
-    comps = vh[:3]
-    comps = comps * torch.sign(comps.gather(1, comps.abs().argmax(dim=1, keepdim=True)))
-    proj = x @ comps.T
-    if proj.shape[1] < 3:  # fewer than 3 channels: pad with grey
-        proj = torch.cat([proj, proj.new_zeros(proj.shape[0], 3 - proj.shape[1])], dim=1)
-    lo, hi = proj.min(dim=0).values, proj.max(dim=0).values
-    rgb = (proj - lo) / (hi - lo).clamp_min(1e-8)
-    return rgb.reshape(B, h, w, 3).permute(0, 3, 1, 2).clamp(0.0, 1.0)
 
 
 def _images_of(batch) -> torch.Tensor:
@@ -366,12 +347,10 @@ class DistillationModule(LightningModule):
             self.log(f"val/teacher_probe_r2_{name}", self._teacher_reference[name], rank_zero_only=True)
         if "pca" in sets and isinstance(self.logger, TensorBoardLogger):
             images = sets["pca"]
-            pca = pca_rgb(self._features(self.student, images)).cpu()
+            pca = shared_pca_rgb(self._features(self.student, images)).cpu()
             shown = F.interpolate(pca, size=images.shape[-2:], mode="nearest")
             # Input (de-normalised to [0, 1]) beside its PCA map, one row per image.
-            mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
-            std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
-            inputs = (images.cpu() * std + mean).clamp(0, 1)
+            inputs = denormalize(images.cpu())
             self.logger.experiment.add_images("val/student_pca", torch.cat([inputs, shown], dim=-1),
                                               global_step=self.global_step)
 

@@ -22,7 +22,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import alibi_vit  # noqa: F401  (registers the ALiBi models with timm)
 from alibi_vit import patch_features
 from lit_modules.cli import cli, main, newest_resume_checkpoint
-from lit_modules.distillation import DistillationModule, cosine_distance, pca_rgb
+from alibi_vit.feature_maps import shared_pca_rgb
+from lit_modules.distillation import DistillationModule, cosine_distance
 from lit_modules.export import export_student
 
 # In-process CLI runs see pytest's own argv too; Lightning warns about that, harmlessly.
@@ -148,7 +149,7 @@ def test_pca_rgb_is_first_components_scaled_to_unit_range():
     coeffs = torch.randn(2, 2, 4, 4, generator=gen) * torch.tensor([10.0, 1.0]).view(1, 2, 1, 1)
     basis = torch.linalg.qr(torch.randn(6, 2, generator=gen))[0]  # (C=6, 2) orthonormal
     feats = torch.einsum("bkhw,ck->bchw", coeffs, basis)
-    rgb = pca_rgb(feats)
+    rgb = shared_pca_rgb(feats)
     assert rgb.shape == (2, 3, 4, 4) and rgb.min() >= 0 and rgb.max() <= 1
     red = rgb[:, 0].flatten()
     corr = np.corrcoef(red.numpy(), coeffs[:, 0].flatten().numpy())[0, 1]

@@ -86,7 +86,7 @@ def test_show_command_writes_figures_and_tensorboard_images(tmp_path):
     out, tb = tmp_path / "figures", tmp_path / "tb"
     code = main(["show", "--models", "alibi_vit_small_patch14_reg4_dinov2", "nope_vit_small_patch14_reg4_dinov2",
                  "vit_small_patch14_reg4_dinov2", "--images", str(folder), "--out", str(out), "--size", "56",
-                 "--k", "3", "--query", "10", "40", "--random-init", *TINY_ARGS, "--tensorboard", str(tb)])
+                 "--k", "3", "--query", "10", "40", *TINY_ARGS, "--tensorboard", str(tb)])
     assert code == 0
     files = sorted(p.name for p in out.iterdir())
     assert files == ["grey.png", "odd_size.png"]
@@ -118,5 +118,5 @@ def test_show_on_a_bundled_set_with_a_checkpoint(tmp_path):
 
 def test_show_rejects_sizes_off_the_patch_grid(tmp_path, capsys):
     code = main(["show", "--models", "alibi_vit_small_patch14_reg4_dinov2", "--images", "textures",
-                 "--out", str(tmp_path), "--size", "50", "--random-init", *TINY_ARGS])
+                 "--out", str(tmp_path), "--size", "50", *TINY_ARGS])
     assert code == 2 and "multiple of the patch size" in capsys.readouterr().err
