@@ -14,12 +14,11 @@ with ``B`` from :func:`kernels.alibi_bias`. Backends differ only in how ``B`` is
 - ``"flex"``: ``torch.nn.attention.flex_attention`` with an equivalent score_mod
   (:mod:`kernels.alibi_flex`).
 
-``"auto"`` picks triton for CUDA tensors when it is importable, sdpa elsewhere.
+``"auto"`` picks triton for CUDA tensors it supports, sdpa elsewhere.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import torch
@@ -29,13 +28,20 @@ from .alibi_bias import cached_alibi_bias, check_grid
 
 __all__ = ["BACKENDS", "alibi_attention", "resolve_backend"]
 
-# Fused backends live in their own modules and are imported on first use, so that importing
-# the package never imports triton (TRITON_INTERPRET must be set before that happens).
-_LAZY_BACKENDS = {
-    "triton": ("kernels.alibi_triton", "triton_alibi_attention"),
-    "flex": ("kernels.alibi_flex", "flex_alibi_attention"),
-}
-BACKENDS = ("auto", "eager", "sdpa", *_LAZY_BACKENDS)
+BACKENDS = ("auto", "eager", "sdpa", "triton", "flex")
+
+# The fused backends are imported here, not on first use, so that torch.compile never meets an
+# import inside a traced forward (Triton reads TRITON_INTERPRET at this point). A platform
+# without triton, or a torch without flex_attention, keeps the ImportError to report on use.
+_UNAVAILABLE: dict[str, ImportError] = {}
+try:
+    from . import alibi_triton
+except ImportError as err:
+    alibi_triton, _UNAVAILABLE["triton"] = None, err
+try:
+    from . import alibi_flex
+except ImportError as err:
+    alibi_flex, _UNAVAILABLE["flex"] = None, err
 
 
 def _slopes_or_ones(slopes, num_heads, like):
@@ -64,33 +70,27 @@ def sdpa_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, no
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-_EAGER_BACKENDS = {"eager": eager_alibi_attention, "sdpa": sdpa_alibi_attention}
+def _backend_fn(name):
+    if name in _UNAVAILABLE:
+        raise ValueError(f"attention backend {name!r} is unavailable here: {_UNAVAILABLE[name]}")
+    return {"eager": eager_alibi_attention, "sdpa": sdpa_alibi_attention,
+            "triton": getattr(alibi_triton, "triton_alibi_attention", None),
+            "flex": getattr(alibi_flex, "flex_alibi_attention", None)}[name]
 
 
-def _triton_usable(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        importlib.import_module(_LAZY_BACKENDS["triton"][0])
-    except ImportError:
-        return False
-    return True
+def resolve_backend(backend: str, q: torch.Tensor) -> str:
+    """The concrete backend ``alibi_attention(..., backend=backend)`` uses for queries ``q``.
 
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The concrete backend ``alibi_attention(..., backend=backend)`` uses for tensors on ``device``."""
+    ``"auto"`` takes the fused kernel for CUDA tensors whose head_dim and dtype it supports,
+    and SDPA with the materialised bias otherwise.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if backend == "auto":
-        return "triton" if _triton_usable(torch.device(device)) else "sdpa"
-    return backend
-
-
-def _backend_fn(name):
-    if name in _EAGER_BACKENDS:
-        return _EAGER_BACKENDS[name]
-    module, attr = _LAZY_BACKENDS[name]
-    return getattr(importlib.import_module(module), attr)
+    if backend != "auto":
+        return backend
+    fused_ok = (alibi_triton is not None and q.is_cuda and q.shape[-1] in alibi_triton.SUPPORTED_HEAD_DIMS
+                and q.dtype in alibi_triton.SUPPORTED_DTYPES)
+    return "triton" if fused_ok else "sdpa"
 
 
 def _check_inputs(q, k, v, grid_size, num_prefix_tokens, slopes):
@@ -136,6 +136,6 @@ def alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes=None, *, wrap=
     Returns:
         Tensor of shape (B, heads, N, head_dim), dtype of ``q``.
     """
-    name = resolve_backend(backend, q.device if isinstance(q, torch.Tensor) else torch.device("cpu"))
     grid, prefix = _check_inputs(q, k, v, grid_size, num_prefix_tokens, slopes)
+    name = resolve_backend(backend, q)
     return _backend_fn(name)(q, k, v, grid, prefix, slopes, bool(wrap), bool(normalize))

@@ -103,7 +103,9 @@ def test_bias_cached_under_inference_mode_still_trains():
 
 
 def test_auto_picks_sdpa_on_cpu():
-    assert resolve_backend("auto", torch.device("cpu")) == "sdpa"
+    q, _, _ = make_qkv(dtype=torch.float32)
+    assert resolve_backend("auto", q) == "sdpa"
+    assert resolve_backend("eager", q) == "eager"
 
 
 @pytest.mark.parametrize("call,match", [

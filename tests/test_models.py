@@ -239,3 +239,19 @@ def test_nope_twin_takes_no_position_options():
     model = convert_to_nope(timm.create_model("vit_small_patch14_reg4_dinov2", depth=1))
     assert not model.blocks[0].attn.use_bias
     assert alibi_vit.AlibiVisionTransformer is type(model)
+
+
+def test_whole_model_compiles_into_one_graph_with_the_fused_kernel():
+    # Under TRITON_INTERPRET (CPU) the fused kernel runs on the interpreter; on a GPU, on the GPU.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fused = tiny_model(backend="triton", slopes="learned", dtype=torch.float32).to(device)
+    reference = copy.deepcopy(fused)
+    for block in reference.blocks:
+        block.attn.backend = "eager"
+    x = torch.randn(2, 3, 3 * PATCH, 4 * PATCH, device=device)
+    compiled = torch.compile(fused.forward_features, fullgraph=True, backend="aot_eager")
+    out, ref = compiled(x), reference.forward_features(x)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    out.square().mean().backward()
+    ref.square().mean().backward()
+    torch.testing.assert_close(fused.blocks[0].attn.m.grad, reference.blocks[0].attn.m.grad, rtol=1e-3, atol=1e-6)

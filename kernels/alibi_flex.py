@@ -1,0 +1,89 @@
+"""FlexAttention backend for the 2D ALiBi bias of SPEC.md §2.
+
+``torch.nn.attention.flex_attention`` applies a ``score_mod(score, b, h, q_idx, kv_idx)`` to
+every logit inside a fused kernel; ``score`` already carries the ``1/sqrt(head_dim)`` scale.
+The score_mod here rebuilds ``B`` from the token indices exactly as the spec states it
+(row/column from ``(idx - prefix) // w`` and ``% w``, per-axis wrap, Euclidean distance,
+normalisation, zero for prefix tokens) and adds ``m_h · B``.
+
+Execution:
+
+* CUDA: the wrapper is ``torch.compile``-d once per process (module-level, ``dynamic=False``)
+  so flex runs as a generated Triton kernel. Grid, prefix and wrap are compile-time
+  constants (integer division by a constant is cheap); each distinct (grid, prefix, wrap)
+  specialises one compiled variant; torch's recompile limit (8 by
+  default) bounds how many such variants one process keeps.
+* CPU: eager flex, an unfused O(N²) reference. Torch implements flex backward only on CUDA,
+  so on the CPU this backend is inference-only and says so with a ValueError when inputs
+  require grad.
+
+Slopes: ``slope_h / d_max`` is one (heads,) fp32 tensor captured by the score_mod; flex
+differentiates captured tensors, so learned slopes receive ``Σ_ij dS_ij·B_ij``. Older torch
+releases had bugs in gradients of captured tensors; the GPU tests in
+``tests/test_flex_attention.py`` check this on the installed version.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+from .alibi_bias import check_grid, max_distance
+
+__all__ = ["flex_alibi_attention"]
+
+_COMPILED = None
+
+
+def _alibi_flex(q, k, v, head_scale, h: int, w: int, prefix: int, wrap: bool):
+    def score_mod(score, b, head, q_idx, kv_idx):
+        # Prefix tokens give negative "patch" indices; their bias is masked to 0 below.
+        qp = q_idx - prefix
+        kp = kv_idx - prefix
+        dy = torch.abs(qp // w - kp // w)
+        dx = torch.abs(qp % w - kp % w)
+        if wrap:
+            dy = torch.minimum(dy, h - dy)
+            dx = torch.minimum(dx, w - dx)
+        dist = torch.sqrt((dy * dy + dx * dx).to(torch.float32))
+        bias = torch.where((q_idx >= prefix) & (kv_idx >= prefix), -dist * head_scale[head], torch.zeros_like(dist))
+        return score + bias.to(score.dtype)
+
+    return flex_attention(q, k, v, score_mod=score_mod)
+
+
+def _compiled():
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(_alibi_flex, dynamic=False)
+    return _COMPILED
+
+
+def flex_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, normalize):
+    """Attention with the 2D ALiBi bias through FlexAttention.
+
+    Same contract as :func:`kernels.alibi_attention`: (B, heads, N, head_dim) in and out,
+    ``slopes`` of shape (heads,) or None (slope 1, no gradient).
+    """
+    if not q.is_floating_point():
+        raise ValueError(f"the flex backend needs floating-point inputs, got {q.dtype}")
+    if q.shape[-1] < 16:
+        raise ValueError(f"the flex backend needs head_dim >= 16, got {q.shape[-1]}")
+    h, w = check_grid(grid_size)
+    prefix = int(num_prefix_tokens)
+    d_max = max_distance((h, w), wrap)
+    # A 1×1 grid has d_max = 0 and d̂ = 0 by definition.
+    norm_scale = (1.0 / d_max if d_max > 0 else 0.0) if normalize else 1.0
+    # slope·(1/d_max) per head as one captured fp32 tensor: a float in the closure would turn into
+    # a symbolic float when flex's internal compile sees a second value, which flex rejects.
+    # Autograd carries the gradient of head_scale back to learned slopes.
+    if slopes is None:
+        head_scale = torch.full((q.shape[1],), norm_scale, device=q.device, dtype=torch.float32)
+    else:
+        head_scale = slopes.to(torch.float32) * norm_scale
+    if q.device.type == "cuda":
+        return _compiled()(q, k, v, head_scale, h, w, prefix, bool(wrap))
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, slopes)):
+        raise ValueError("the flex backend has no backward on the CPU (a torch limitation); use backend='eager' "
+                         "or 'sdpa' for training on the CPU")
+    return _alibi_flex(q, k, v, head_scale, h, w, prefix, bool(wrap))

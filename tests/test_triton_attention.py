@@ -1,0 +1,344 @@
+"""Fused Triton ALiBi attention against the float64 eager reference.
+
+On a machine without CUDA the kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1,
+set by conftest.py, and here as well in case this file runs alone); shapes stay tiny. Cases
+marked ``gpu`` need a CUDA device (bf16, long sequences, torch.compile).
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from kernels.attention import alibi_attention, eager_alibi_attention  # noqa: E402
+from kernels.alibi_triton import (  # noqa: E402
+    alibi_attention_bwd,
+    alibi_attention_fwd,
+    triton_alibi_attention,
+)
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def needs_gpu(fn):
+    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs a CUDA device")(fn))
+
+
+TOL = {  # (forward atol, gradient atol); rtol alongside
+    torch.float32: (2e-5, 5e-5),
+    torch.float16: (4e-3, 1.5e-2),
+    torch.bfloat16: (2.5e-2, 8e-2),
+}
+
+
+def _inputs(bsz, heads, grid, prefix, head_dim, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = prefix + grid[0] * grid[1]
+    q, k, v, do = (torch.randn(bsz, heads, n, head_dim, generator=g).to(DEVICE, dtype) for _ in range(4))
+    # Distinct per-head slopes so a head mix-up cannot cancel out.
+    slopes = (0.5 + torch.arange(heads, dtype=torch.float32) * 0.75).to(DEVICE)
+    return q, k, v, do, slopes
+
+
+def _reference(q, k, v, do, grid, prefix, slopes, wrap, normalize):
+    """Output and gradients of the eager reference in float64."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    s = None if slopes is None else slopes.detach().double().requires_grad_()
+    out = eager_alibi_attention(*leaves, grid, prefix, s, wrap, normalize)
+    grads = torch.autograd.grad(out, leaves + ([s] if s is not None else []), do.double())
+    return out, grads
+
+
+def _check(got, want, atol, what):
+    assert got.shape == want.shape, what
+    assert torch.isfinite(got).all(), what
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def _run_and_compare(grid, prefix, wrap, normalize, head_dim, bias_mode, slope_kind, dtype,
+                     bsz=2, heads=3, seed=0):
+    q, k, v, do, slopes = _inputs(bsz, heads, grid, prefix, head_dim, dtype, seed)
+    if slope_kind == "none":
+        slopes = None
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    if slope_kind == "learned":
+        slopes = slopes.clone().requires_grad_()
+        leaves.append(slopes)
+    out = triton_alibi_attention(*leaves[:3], grid, prefix, slopes, wrap, normalize, bias_mode=bias_mode)
+    assert out.dtype == dtype and out.shape == q.shape
+    grads = torch.autograd.grad(out, leaves, do)
+    ref_out, ref_grads = _reference(q, k, v, do, grid, prefix, slopes, wrap, normalize)
+    fwd_tol, grad_tol = TOL[dtype]
+    _check(out, ref_out, fwd_tol, "out")
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert g.dtype == dtype
+        _check(g, r, grad_tol, name)
+    if slope_kind == "learned":
+        # dL/dm_h sums over B·N² terms: compare relative to its size.
+        _check(grads[3], ref_grads[3], grad_tol * max(1.0, ref_grads[3].abs().max().item()), "dslopes")
+
+
+# grid, prefix, wrap, normalize, head_dim, bias_mode, slopes
+FP32_CASES = [
+    ((3, 5), 1, True, True, 32, "table", "learned"),
+    ((3, 5), 1, True, True, 32, "sqrt", "learned"),
+    ((5, 3), 0, False, True, 32, "table", "none"),
+    ((5, 3), 0, False, True, 32, "sqrt", "fixed"),
+    ((4, 4), 5, True, False, 64, "table", "learned"),
+    ((4, 4), 5, False, False, 64, "sqrt", "learned"),
+    # N = 47: several query and key blocks under the interpreter's 16/32 tiles, partial tails.
+    ((6, 7), 5, True, True, 32, "table", "learned"),
+    ((7, 6), 1, False, True, 16, "sqrt", "learned"),
+    ((1, 1), 1, True, True, 32, "table", "learned"),   # N = 2, d_max = 0
+    ((1, 1), 0, False, False, 32, "sqrt", "learned"),  # N = 1
+    ((2, 9), 1, True, True, 128, "table", "learned"),
+]
+
+
+@pytest.mark.parametrize("grid,prefix,wrap,normalize,head_dim,bias_mode,slopes", FP32_CASES)
+def test_matches_reference_fp32(grid, prefix, wrap, normalize, head_dim, bias_mode, slopes):
+    _run_and_compare(grid, prefix, wrap, normalize, head_dim, bias_mode, slopes, torch.float32)
+
+
+@pytest.mark.parametrize("bias_mode", ["table", "sqrt"])
+def test_matches_reference_fp16(bias_mode):
+    _run_and_compare((5, 4), 5, True, True, 64, bias_mode, "learned", torch.float16)
+
+
+def test_bias_follows_spec_formula():
+    """Attention weights recovered from the kernel give back -m·d̂ of SPEC §2, written out here.
+
+    With q = k = 0 the logits are m·B, and with v the identity the output rows are the softmax
+    weights; log-ratios against a prefix key (bias 0) are m·B_ij.
+    """
+    h, w, prefix, slope = 3, 4, 2, 1.7
+    n = prefix + h * w
+    for wrap in (True, False):
+        q = torch.zeros(1, 1, n, 32, device=DEVICE)
+        v = torch.zeros(1, 1, n, 32, device=DEVICE)
+        v[0, 0, :, :n] = torch.eye(n)
+        out = triton_alibi_attention(q, q, v, (h, w), prefix, torch.tensor([slope], device=DEVICE), wrap, True)
+        weights = out[0, 0, :, :n].double().cpu()
+        got = (weights.log() - weights[:, :1].log()) / slope
+        d_max = math.hypot(h // 2, w // 2) if wrap else math.hypot(h - 1, w - 1)
+        want = torch.zeros(n, n, dtype=torch.float64)
+        for i in range(prefix, n):
+            for j in range(prefix, n):
+                (y1, x1), (y2, x2) = divmod(i - prefix, w), divmod(j - prefix, w)
+                dy, dx = abs(y1 - y2), abs(x1 - x2)
+                if wrap:
+                    dy, dx = min(dy, h - dy), min(dx, w - dx)
+                want[i, j] = -math.hypot(dy, dx) / d_max
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_wrapped_bias_is_equivariant_to_rolling_patches():
+    """SPEC §2: with wrap the bias is circulant, so rolling the patch grid rolls the output."""
+    h, w, prefix, shift = 4, 5, 2, (1, 3)
+    q, k, v, _, slopes = _inputs(1, 3, (h, w), prefix, 16, torch.float32, seed=23)
+
+    def roll(t):
+        patches = t[:, :, prefix:].unflatten(2, (h, w)).roll(shift, dims=(2, 3)).flatten(2, 3)
+        return torch.cat([t[:, :, :prefix], patches], dim=2)
+
+    for wrap in (True, False):
+        rolled_out = triton_alibi_attention(roll(q), roll(k), roll(v), (h, w), prefix, slopes, wrap, True)
+        out_rolled = roll(triton_alibi_attention(q, k, v, (h, w), prefix, slopes, wrap, True))
+        if wrap:
+            torch.testing.assert_close(rolled_out, out_rolled, atol=1e-5, rtol=1e-5)
+        else:  # without wrap, distances across the border change
+            assert (rolled_out - out_rolled).abs().max() > 1e-3
+
+
+def test_qkv_views_and_strided_grad_output():
+    """q, k, v as timm's permuted views of one fused qkv tensor; dO non-contiguous too."""
+    bsz, heads, head_dim, grid, prefix = 2, 2, 32, (3, 4), 1
+    n = prefix + grid[0] * grid[1]
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(bsz, n, 3 * heads * head_dim, generator=g).to(DEVICE).requires_grad_()
+    q, k, v = qkv.reshape(bsz, n, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    assert not q.is_contiguous()
+    do = torch.randn(bsz, heads, head_dim, n, generator=g).to(DEVICE).transpose(-1, -2)  # strided dO
+    slopes = torch.tensor([0.7, 1.3], device=DEVICE, requires_grad=True)
+    out = triton_alibi_attention(q, k, v, grid, prefix, slopes, True, True)
+    gqkv, gs = torch.autograd.grad(out, (qkv, slopes), do)
+
+    ref_qkv = qkv.detach().double().requires_grad_()
+    ref_s = slopes.detach().double().requires_grad_()
+    rq, rk, rv = ref_qkv.reshape(bsz, n, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    ref = eager_alibi_attention(rq, rk, rv, grid, prefix, ref_s, True, True)
+    rg_qkv, rg_s = torch.autograd.grad(ref, (ref_qkv, ref_s), do.double())
+    _check(out, ref, 2e-5, "out")
+    _check(gqkv, rg_qkv, 5e-5, "dqkv")
+    _check(gs, rg_s, 5e-5 * max(1.0, rg_s.abs().max().item()), "dslopes")
+    # The output is laid out as (B, N, heads, D): merging heads afterwards needs no copy.
+    assert out.transpose(1, 2).reshape(bsz, n, heads * head_dim).data_ptr() == out.data_ptr()
+
+
+def test_backward_is_deterministic():
+    q, k, v, do, slopes = _inputs(1, 2, (5, 6), 5, 32, torch.float32, seed=5)
+
+    def grads():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, slopes)]
+        out = triton_alibi_attention(*leaves[:3], (5, 6), 5, leaves[3], True, True)
+        return [out, *torch.autograd.grad(out, leaves, do)]
+
+    first, second = grads(), grads()
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_slopes_none_equals_unit_slopes_and_needs_no_slope_grad():
+    q, k, v, do, _ = _inputs(1, 2, (3, 3), 1, 16, torch.float32, seed=7)
+    q.requires_grad_()
+    out_none = triton_alibi_attention(q, k, v, (3, 3), 1, None, True, True)
+    out_ones = triton_alibi_attention(q, k, v, (3, 3), 1, torch.ones(2, device=DEVICE), True, True)
+    assert torch.equal(out_none, out_ones)
+    (dq,) = torch.autograd.grad(out_none, (q,), do)  # only q requires grad
+    assert torch.isfinite(dq).all()
+
+
+def test_dispatcher_routes_to_triton():
+    q, k, v, _, slopes = _inputs(1, 3, (2, 3), 1, 32, torch.float32, seed=11)
+    via_dispatch = alibi_attention(q, k, v, (2, 3), 1, slopes, wrap=False, normalize=True, backend="triton")
+    direct = triton_alibi_attention(q, k, v, (2, 3), 1, slopes, False, True)
+    assert torch.equal(via_dispatch, direct)
+
+
+@pytest.mark.parametrize("head_dim", [48, 8, 256])
+def test_rejects_unsupported_head_dim(head_dim):
+    q = torch.zeros(1, 1, 5, head_dim, device=DEVICE)
+    with pytest.raises(ValueError, match="head_dim"):
+        triton_alibi_attention(q, q, q, (2, 2), 1, None, True, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32])
+def test_rejects_unsupported_dtype(dtype):
+    q = torch.zeros(1, 1, 5, 32, device=DEVICE, dtype=dtype)
+    with pytest.raises(ValueError, match="float16, bfloat16 and float32"):
+        triton_alibi_attention(q, q, q, (2, 2), 1, None, True, True)
+
+
+def test_rejects_bad_geometry_slopes_and_mode():
+    q = torch.zeros(1, 2, 5, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="token count"):
+        triton_alibi_attention(q, q, q, (2, 3), 1, None, True, True)
+    with pytest.raises(ValueError, match="slopes"):
+        triton_alibi_attention(q, q, q, (2, 2), 1, torch.ones(3, device=DEVICE), True, True)
+    with pytest.raises(ValueError, match="bias_mode"):
+        triton_alibi_attention(q, q, q, (2, 2), 1, None, True, True, bias_mode="cosine")
+
+
+def test_every_gpu_call_is_offered_a_launch_config():
+    """Each (head_dim, bias mode, fp32 or 16-bit) combination has a tuned config list, first = fixed default."""
+    from kernels import alibi_triton as at
+
+    for tagged in (at._FWD_CONFIGS, at._DKDV_CONFIGS, at._DQ_CONFIGS):
+        for head_dim in at.SUPPORTED_HEAD_DIMS:
+            for table in (True, False):
+                for fp32 in (True, False):
+                    assert any(offer(head_dim, table, fp32) for _, offer in tagged), (head_dim, table, fp32)
+
+
+def test_fake_implementation_matches_real_op():
+    """Shapes, dtypes and strides of the fake impls (what torch.compile traces) equal the real op's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, do, slopes = _inputs(2, 3, (3, 4), 2, 32, torch.float16, seed=13)
+    args = (3, 4, 2, True, True, True)
+    real_o, real_lse = alibi_attention_fwd(q, k, v, slopes, *args)
+    real_grads = alibi_attention_bwd(do, q, k, v, real_o, real_lse, slopes, *args, True)
+    with FakeTensorMode() as mode:
+        fq, fk, fv, fdo, fs = (mode.from_tensor(t) for t in (q, k, v, do, slopes))
+        fake_o, fake_lse = alibi_attention_fwd(fq, fk, fv, fs, *args)
+        fake_grads = alibi_attention_bwd(fdo, fq, fk, fv, fake_o, fake_lse, fs, *args, True)
+    for real, fake in zip((real_o, real_lse, *real_grads), (fake_o, fake_lse, *fake_grads)):
+        assert (real.shape, real.dtype, real.stride()) == (fake.shape, fake.dtype, fake.stride())
+
+
+def test_opcheck_both_ops():
+    """torch.library.opcheck: schema, fake tensors, autograd registration, AOT dispatch (dynamic shapes)."""
+    q, k, v, do, slopes = _inputs(1, 2, (2, 3), 1, 16, torch.float32, seed=17)
+    geometry = (2, 3, 1, True, True, True)
+    o, lse = alibi_attention_fwd(q, k, v, slopes, *geometry)
+    torch.library.opcheck(torch.ops.alibi_vit.alibi_attention_bwd.default,
+                          (do, q, k, v, o, lse, slopes, *geometry, True))
+    for t in (q, k, v, slopes):
+        t.requires_grad_()
+    torch.library.opcheck(torch.ops.alibi_vit.alibi_attention_fwd.default, (q, k, v, slopes, *geometry))
+
+
+# ------------------------------------------------------------------------------------------
+# GPU only
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias_mode", ["table", "sqrt"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grid,prefix,head_dim", [((37, 37), 5, 64), ((16, 23), 1, 128), ((9, 14), 0, 32)])
+@needs_gpu
+def test_gpu_medium_shapes(grid, prefix, head_dim, dtype, bias_mode):
+    _run_and_compare(grid, prefix, True, True, head_dim, bias_mode, "learned", dtype, bsz=2, heads=6)
+
+
+@needs_gpu
+def test_gpu_largest_grid_148x148():
+    """N = 5 + 148² = 21909 (2072 px at patch 14), bf16, one head against the float64 reference."""
+    grid, prefix = (148, 148), 5
+    q, k, v, do, slopes = _inputs(1, 1, grid, prefix, 64, torch.bfloat16, seed=19)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = triton_alibi_attention(*leaves, grid, prefix, None, True, True)
+    grads = torch.autograd.grad(out, leaves, do)
+    ref_out, ref_grads = _reference(q, k, v, do, grid, prefix, None, True, True)
+    _check(out, ref_out, 2.5e-2, "out")
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        _check(g, r, 8e-2, name)
+
+
+class _AttnBlock(torch.nn.Module):
+    """timm-style attention: fused qkv projection, permuted q/k/v views, heads merged by a view."""
+
+    def __init__(self, grid, prefix, dim=64, heads=2):
+        super().__init__()
+        self.grid, self.prefix, self.heads = grid, prefix, heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.slopes = torch.nn.Parameter(torch.linspace(0.5, 2.0, heads))
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        o = triton_alibi_attention(q, k, v, self.grid, self.prefix, self.slopes, True, True)
+        return self.proj(o.transpose(1, 2).reshape(b, n, c))
+
+
+def _compiled_matches_eager(model, x, backend, atol):
+    compiled = torch.compile(model, fullgraph=True, backend=backend)  # fullgraph: a graph break raises
+    got = compiled(x)
+    got.square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref = model(x)
+    ref.square().mean().backward()
+    torch.testing.assert_close(got, ref, atol=atol, rtol=atol)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, atol=atol, rtol=atol)
+
+
+def test_compiles_without_graph_break_aot_eager():
+    """Dynamo + AOTAutograd trace the op through its fake impl and autograd formula (no inductor)."""
+    torch.manual_seed(0)
+    _compiled_matches_eager(_AttnBlock((3, 4), 1).to(DEVICE), torch.randn(2, 13, 64, device=DEVICE), "aot_eager", 1e-6)
+
+
+@needs_gpu
+def test_gpu_torch_compile_fullgraph_inductor():
+    torch.manual_seed(0)
+    model = _AttnBlock((7, 9), 5, dim=128, heads=4).cuda()
+    _compiled_matches_eager(model, torch.randn(3, 5 + 63, 128, device="cuda"), "inductor", 1e-4)
