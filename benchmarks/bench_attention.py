@@ -25,17 +25,15 @@ Results go to ``benchmarks/results/attention_<device-slug>.{md,json}``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import re
-import shlex
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from report import RESULTS, command_line, environment, slug, write_report  # noqa: E402
 
 MODELS = {"vit-s": 6, "vit-b": 12, "vit-l": 16}
 SIZES = (224, 518, 1036, 2072)
@@ -56,14 +54,10 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     p.add_argument("--warmup", type=float, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=float, default=100, help="do_bench measurement, ms")
-    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--smoke", action="store_true",
                    help="CPU only, tiny shapes, eager/sdpa/triton (interpreter), fp32: checks that the script runs")
     return p.parse_args(argv)
-
-
-def slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def backend_fns(names, grid, slopes=None):
@@ -220,10 +214,6 @@ def ratios(rows):
 
 
 def write_reports(args, rows, ratio_rows, meta):
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    base = args.out_dir / f"attention_{meta['device_slug']}"
-    (base.with_suffix(".json")).write_text(json.dumps({**meta, "rows": rows, "ratios": ratio_rows}, indent=2))
-
     def fmt(x, nd=2):
         return "-" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
 
@@ -250,8 +240,8 @@ def write_reports(args, rows, ratio_rows, meta):
         lines.append(f"| {e['model']} | {e['image_px']} | {e['mode']} | {e['triton_variant']} | "
                      f"{fmt(e['speed_vs_sdpa-nobias'], 3)} | {fmt(e['speed_vs_flex'], 3)} | "
                      f"{fmt(e['speed_vs_sdpa-bias'], 3)} |")
-    (base.with_suffix(".md")).write_text("\n".join(lines) + "\n")
-    return base
+    return write_report(args.out_dir, f"attention_{meta['device_slug']}",
+                        {**meta, "rows": rows, "ratios": ratio_rows}, lines)
 
 
 def main(argv=None):
@@ -263,24 +253,18 @@ def main(argv=None):
 
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA device; run with --smoke for a CPU check of the script.")
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
     device = "cpu (smoke)" if args.smoke else torch.cuda.get_device_name()
     meta = dict(
-        command=" ".join(shlex.quote(a) for a in ["python", "benchmarks/bench_attention.py", *(argv or sys.argv[1:])]),
-        device=device, device_slug=slug("cpu-smoke" if args.smoke else device),
-        torch=torch.__version__, triton=triton_version, cuda=torch.version.cuda, python=platform.python_version(),
+        command=command_line("bench_attention.py", argv or sys.argv[1:]),
+        device=device, device_slug=slug("cpu-smoke" if args.smoke else device), **environment(),
         dtype="float32" if args.smoke else args.dtype, head_dim=32 if args.smoke else HEAD_DIM,
         batch_rule="B = 2" if args.smoke else f"B = max(1, round({args.tokens} / N))",
         smoke=bool(args.smoke),
     )
     rows = run(args)
     ratio_rows = ratios(rows)
-    base = write_reports(args, rows, ratio_rows, meta)
-    print(f"wrote {base}.md and {base}.json")
+    md, js = write_reports(args, rows, ratio_rows, meta)
+    print(f"wrote {md} and {js}")
     return 0
 
 

@@ -16,17 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import re
-import shlex
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from report import RESULTS, command_line, environment, slug, write_report
 TINY = {"depth": 2, "embed_dim": 32, "num_heads": 2}  # head_dim 16: a size the Triton kernel takes
 
 
@@ -57,12 +53,6 @@ def parse_args(argv=None):
     if len(args.batch) != len(args.sizes):
         p.error(f"--batch needs one value per size: {len(args.sizes)} sizes, {len(args.batch)} batches")
     return args
-
-
-def device_slug(device: torch.device, smoke: bool) -> str:
-    if smoke:
-        return "cpu-smoke"
-    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
 
 
 def build(model: str, backend: str, smoke: bool, device: torch.device):
@@ -122,27 +112,16 @@ def measure(model: str, backend: str, size: int, batch: int, steps: int, warmup:
     return row
 
 
-def write_report(rows: list, args, device_name: str, slug: str, out_dir: Path) -> tuple[Path, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    command = " ".join(shlex.quote(a) for a in ["python", "benchmarks/bench_distill_throughput.py", *args.argv])
+def write_distill_report(rows: list, args, device_name: str) -> tuple[Path, Path]:
+    command = command_line("bench_distill_throughput.py", args.argv)
     meta = {"command": command, "device": device_name, "model": args.model, "steps": args.steps,
-            "warmup": args.warmup, "precision": "fp32 (smoke)" if args.smoke else "bf16-mixed",
-            "torch": torch.__version__, "python": platform.python_version(),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
-    json_path = out_dir / f"distill_throughput_{slug}.json"
-    json_path.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+            "warmup": args.warmup, "precision": "fp32 (smoke)" if args.smoke else "bf16-mixed", **environment()}
 
     lines = [f"# Distillation training throughput on {device_name}", "",
              f"Command: `{command}`", "",
              f"ViT-{args.model[0].upper()}/14-reg4 teacher (frozen) + ALiBi student, one AdamW step per batch, "
              f"synthetic images, {meta['precision']}, {args.steps} timed steps after {args.warmup} warm-up steps; "
-             f"torch {meta['torch']}" + (f", triton {meta['triton']}" if "triton" in meta else "") + f"; {meta['date']}.",
+             f"torch {meta['torch']}" + (f", triton {meta['triton']}" if meta["triton"] else "") + f"; {meta['date']}.",
              "", "| size (px) | tokens | batch/GPU | student attention | img/s per GPU | ms/step | peak GiB | "
              "speed-up |", "|---|---|---|---|---|---|---|---|"]
     for size in args.sizes:
@@ -158,9 +137,8 @@ def write_report(rows: list, args, device_name: str, slug: str, out_dir: Path) -
             lines.append(f"| {size} | {r['tokens']} | {r['batch_per_gpu']} | {r['backend']} | {r['img_per_s']:.1f} "
                          f"| {r['ms_per_step']:.1f} | {peak} | {speedup} |")
     lines += ["", "Speed-up is relative to eager attention with the materialised bias at the same size."]
-    md_path = out_dir / f"distill_throughput_{slug}.md"
-    md_path.write_text("\n".join(lines) + "\n")
-    return md_path, json_path
+    stem = f"distill_throughput_{'cpu-smoke' if args.smoke else slug(device_name)}"
+    return write_report(args.out_dir, stem, {"meta": meta, "results": rows}, lines)
 
 
 def main(argv=None) -> int:
@@ -181,7 +159,7 @@ def main(argv=None) -> int:
             row = measure(args.model, backend, size, batch, args.steps, args.warmup, args.smoke, device)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    md, js = write_report(rows, args, device_name, device_slug(device, args.smoke), args.out_dir)
+    md, js = write_distill_report(rows, args, device_name)
     print(f"wrote {md} and {js}")
     return 0
 

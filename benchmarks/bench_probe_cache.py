@@ -22,21 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import re
-import shlex
 import shutil
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results"
+from report import RESULTS, command_line, environment, slug, write_report  # noqa: E402
 TINY = {"depth": 2, "embed_dim": 48, "num_heads": 2}
 TARGET = 0.20
 
@@ -62,13 +58,6 @@ def parse_args(argv=None):
         args.images, args.batch, args.epochs = min(args.images, 24), min(args.batch, 8), 3
         args.workers = min(args.workers, 2)
     return args
-
-
-def device_slug(device: torch.device, smoke: bool) -> str:
-    if smoke:
-        return "cpu-smoke"
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 class EpochClock:
@@ -120,15 +109,11 @@ def train(args, data_root: Path, cache_dir: Path | None, epochs: int, device: to
     return clock.times
 
 
-def write_report(result: dict, args, device_name: str, slug: str) -> tuple[Path, Path]:
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    command = " ".join(shlex.quote(a) for a in ["python", "benchmarks/bench_probe_cache.py", *args.argv])
+def write_cache_report(result: dict, args, device_name: str, device_slug: str) -> tuple[Path, Path]:
+    command = command_line("bench_probe_cache.py", args.argv)
     meta = {"command": command, "device": device_name, "backbone": result["backbone"], "image_size": args.size,
             "images": args.images, "batch": args.batch, "epochs": args.epochs, "workers": args.workers,
-            "cpu_count": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    json_path = args.out_dir / f"probe_cache_{slug}.json"
-    json_path.write_text(json.dumps({"meta": meta, "results": result}, indent=2) + "\n")
+            "cpu_count": os.cpu_count(), **environment()}
 
     times = result["cached_epoch_s"]
     lines = [f"# Segmentation probe: feature-cache epoch times on {device_name}", "",
@@ -148,9 +133,7 @@ def write_report(result: dict, args, device_name: str, slug: str) -> tuple[Path,
     lines += ["", f"Later cached epochs take {100 * result['later_to_first']:.1f} % of the first (mean of epochs "
               f"2–{len(times)}); the target is ≤ {100 * TARGET:.0f} %: {verdict} it. Cache on disk: "
               f"{result['cache_mib']:.0f} MiB ({result['cache_mib'] / args.images:.2f} MiB per image)."]
-    md_path = args.out_dir / f"probe_cache_{slug}.md"
-    md_path.write_text("\n".join(lines) + "\n")
-    return md_path, json_path
+    return write_report(args.out_dir, f"probe_cache_{device_slug}", {"meta": meta, "results": result}, lines)
 
 
 def main(argv=None) -> int:
@@ -178,7 +161,9 @@ def main(argv=None) -> int:
               "uncached_epoch_s": uncached, "cached_epoch_s": times, "later_to_first": later / times[0],
               "cache_mib": cache_mib, "target": TARGET}
     print(json.dumps(result), flush=True)
-    md, js = write_report(result, args, device_name, device_slug(device, args.smoke))
+    device_slug = "cpu-smoke" if args.smoke else slug(torch.cuda.get_device_name(device) if device.type == "cuda"
+                                                      else "cpu")
+    md, js = write_cache_report(result, args, device_name, device_slug)
     print(f"wrote {md} and {js}")
     return 0
 

@@ -1,0 +1,46 @@
+"""What every benchmark records: the device and software it ran on, and its results as JSON + Markdown."""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import shlex
+from datetime import datetime, timezone
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def slug(name: str) -> str:
+    """File-name form of a device name: 'NVIDIA H100 80GB HBM3' → 'nvidia-h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def command_line(script: str, argv) -> str:
+    """The command that reproduces a run, as a user would type it from the project folder."""
+    return " ".join(shlex.quote(a) for a in ["python", f"benchmarks/{script}", *argv])
+
+
+def environment() -> dict:
+    import torch
+
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+           "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    return env
+
+
+def write_report(out_dir: Path, stem: str, payload: dict, markdown: list[str]) -> tuple[Path, Path]:
+    """Write ``stem.json`` (the payload) and ``stem.md`` (the lines) into ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    md_path.write_text("\n".join(markdown) + "\n")
+    return md_path, json_path
