@@ -4,7 +4,7 @@ Importing this package registers the timm models ``alibi_vit_*_patch14_reg4_dino
 ``nope_vit_*_patch14_reg4_dinov2``.
 """
 
-from . import models  # noqa: F401  (registers the timm models)
+from . import images, models, probe  # noqa: F401  (models registers the timm models)
 from .checkpoint import create_backbone, load_state_dict_file, load_weights
 from .features import grid_size_of, patch_features
 from .models import MODEL_NAMES

@@ -64,8 +64,6 @@ def create_backbone(name: str, *, pretrained: bool = False, checkpoint=None, **m
     position embedding is interpolated; that is what DINOv2 does). ``checkpoint`` is a plain
     timm state_dict file loaded strictly after the model is built.
     """
-    import alibi_vit  # noqa: F401  (registers the models)
-
     if name not in MODEL_NAMES:
         model_kwargs.setdefault("dynamic_img_size", True)
     model_kwargs.setdefault("num_classes", 0)
