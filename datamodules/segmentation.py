@@ -82,8 +82,8 @@ ADE20K_CLASSES = (
     "glass", "clock", "flag",
 )
 
-# COCO's 80 thing categories keep the ids of the original 91-id list (gaps at 12, 26, 29, 30, 45,
-# 66, 68, 69, 71, 83); the 91 stuff categories are ids 92..182; 183 ("other") is not a class.
+# COCO's 80 thing categories keep the ids of the original 91-id list (11 unused: 12, 26, 29, 30,
+# 45, 66, 68, 69, 71, 83, 91); the 91 stuff categories are ids 92..182; 183 ("other") is not a class.
 _COCO_THING_IDS = (
     *range(1, 12), *range(13, 26), 27, 28, *range(31, 45), *range(46, 66), 67, 70, *range(72, 83),
     *range(84, 91),
@@ -171,11 +171,14 @@ class PngLabels:
     """Index PNGs (palette 'P' or greyscale 'L'); ``lut`` maps stored values to classes (255 = ignore).
 
     RGB colour masks are refused: their colours are not class indices and silently mapping them
-    would train on garbage.
+    would train on garbage. So is a value that is neither a class below ``num_classes`` nor 255
+    (an instance mask such as VOC's SegmentationObject, say): on the GPU it would otherwise end
+    as an opaque device-side assert in the loss.
     """
 
-    def __init__(self, lut: np.ndarray | None = None):
+    def __init__(self, lut: np.ndarray | None = None, num_classes: int | None = None):
         self.lut = lut
+        self.num_classes = num_classes
 
     def __call__(self, sample: Sample) -> np.ndarray:
         from PIL import Image
@@ -190,7 +193,13 @@ class PngLabels:
             raise
         except Exception as err:
             raise ValueError(f"{sample.label}: cannot read label ({type(err).__name__}: {err})") from err
-        return self.lut[array] if self.lut is not None else array
+        label = self.lut[array] if self.lut is not None else array
+        if self.num_classes is not None and int(label.max()) >= self.num_classes:
+            bad = sorted(set(np.unique(label).tolist()) - set(range(self.num_classes)) - {IGNORE_INDEX})
+            if bad:
+                raise ValueError(f"{sample.label}: values {bad[:10]} are neither classes 0..{self.num_classes - 1} "
+                                 f"nor {IGNORE_INDEX} (ignore); is this a class-index mask of this dataset?")
+        return label
 
 
 class CocoJsonLabels:
@@ -467,7 +476,7 @@ class VOCSegmentation(SegmentationDataModule):
         return [Sample(base / "JPEGImages" / f"{i}.jpg", base / self.label_dir / f"{i}.png", i) for i in ids]
 
     def label_reader(self, split: str):
-        return PngLabels()  # stored values are already class indices with 255 = ignore
+        return PngLabels(num_classes=self.num_classes)  # stored values are already class indices, 255 = ignore
 
 
 class ADE20KSegmentation(SegmentationDataModule):
@@ -537,6 +546,12 @@ class COCOStuffSegmentation(SegmentationDataModule):
                 if unknown:
                     raise ValueError(f"{path}: categories {unknown} are not COCO-Stuff classes")
                 cocos.append(coco)
+            # instances alone (or stuff alone) would silently leave half of the 171 classes unlabelled
+            missing = sorted(set(self.category_to_class) - {c for coco in cocos for c in coco.cats})
+            if missing:
+                raise ValueError(f"COCO-Stuff {split}: the annotation files {self.annotations[split]} define no "
+                                 f"categories {missing[:5]}{' ...' if len(missing) > 5 else ''} ({len(missing)} of 171); "
+                                 "give both the instances_*.json (things) and the stuff_*.json (stuff) files")
             self._cocos[split] = cocos
         return self._cocos[split]
 

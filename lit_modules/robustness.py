@@ -25,13 +25,11 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from torchmetrics.classification import MulticlassJaccardIndex
 from tqdm.auto import tqdm
 
 __all__ = ["TRANSFORMS", "Transform", "evaluate_robustness", "format_table", "make_transform", "add_arguments", "run"]
 
 TRANSFORMS = ("none", "flip-ud", "roll", "rot90")
-IGNORE_INDEX = 255
 
 
 @dataclass(frozen=True)
@@ -71,11 +69,13 @@ def evaluate_robustness(module, loader, transforms=TRANSFORMS, roll=None, device
     ``roll`` = (dy, dx) patches; default: half the patch grid in both directions (the largest
     displacement on the torus).
     """
+    from lit_modules.segmentation_probe import confusion_matrix, iou_from_confusion
+
     device = torch.device(device)
     module = module.to(device).eval()
     patch_size = tuple(module.backbone.patch_embed.patch_size)
-    metrics = {name: MulticlassJaccardIndex(module.num_classes, average="macro", ignore_index=IGNORE_INDEX).to(device)
-               for name in transforms}
+    # the probe's own whole-set mIoU, so that the "none" column is its validation score
+    metrics = {name: confusion_matrix(module.num_classes).to(device) for name in transforms}
     total = len(loader) if limit_batches is None else min(len(loader), limit_batches)
     with torch.no_grad():
         for index, batch in enumerate(tqdm(loader, total=total, desc=desc, unit="batch")):
@@ -91,7 +91,7 @@ def evaluate_robustness(module, loader, transforms=TRANSFORMS, roll=None, device
                 features = t.features_inverse(module.backbone_features(t.image(images)))
                 logits = module.head_logits(features, label.shape[-2:])
                 metrics[name].update(logits.argmax(1), label)
-    return {name: float(m.compute()) for name, m in metrics.items()}
+    return {name: float(iou_from_confusion(m.compute())[0]) for name, m in metrics.items()}
 
 
 def format_table(rows: list[dict], transforms=TRANSFORMS) -> str:

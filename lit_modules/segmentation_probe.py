@@ -32,13 +32,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
-from torchmetrics import MetricCollection
-from torchmetrics.classification import MulticlassConfusionMatrix, MulticlassJaccardIndex
+from torchmetrics.classification import MulticlassConfusionMatrix
 
 from alibi_vit import create_backbone, patch_features
 from alibi_vit.models import MODEL_NAMES
 
-__all__ = ["IGNORE_INDEX", "FeatureCache", "SegmentationProbeModule"]
+__all__ = ["IGNORE_INDEX", "FeatureCache", "SegmentationProbeModule", "confusion_matrix", "iou_from_confusion"]
 
 IGNORE_INDEX = 255
 CACHE_DTYPE = torch.float16  # halves the disk; range is ample for layer-normed features (checked on save)
@@ -77,6 +76,27 @@ class FeatureCache:
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         torch.save(features.detach().cpu().clone(), tmp)  # clone: a view would save the whole batch storage
         os.replace(tmp, path)
+
+
+def confusion_matrix(num_classes: int) -> MulticlassConfusionMatrix:
+    """Pixel confusion matrix (rows = label, columns = prediction) that skips label 255."""
+    return MulticlassConfusionMatrix(num_classes, ignore_index=IGNORE_INDEX)
+
+
+def iou_from_confusion(confmat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mIoU, per-class IoU) of a whole-set confusion matrix.
+
+    A class in neither labels nor predictions has no IoU: NaN, and left out of the mean. Done
+    here rather than by torchmetrics' JaccardIndex, whose macro average counted such classes as
+    0 in some releases the project's requirements allow.
+    """
+    confmat = confmat.detach().cpu().double()  # float64: pixel counts of a whole val set exceed float32's 2^24
+    tp = confmat.diag()
+    union = confmat.sum(0) + confmat.sum(1) - tp
+    iou = torch.where(union > 0, tp / union.clamp_min(1), torch.full_like(tp, float("nan")))
+    present = union > 0
+    miou = iou[present].mean() if present.any() else torch.tensor(float("nan"), dtype=torch.float64)
+    return miou.float(), iou.float()
 
 
 def _bf16_autocast(device: torch.device):
@@ -133,17 +153,10 @@ class SegmentationProbeModule(L.LightningModule):
         self.class_names = list(class_names) if class_names else None
         self.feature_cache: FeatureCache | None = None
 
-        def metrics():
-            # One shared confusion-matrix state (a compute group), accumulated over the whole set,
-            # gives the mean, the per-class IoU and which classes occurred at all.
-            return MetricCollection({
-                "mIoU": MulticlassJaccardIndex(num_classes, average="macro", ignore_index=IGNORE_INDEX),
-                "IoU": MulticlassJaccardIndex(num_classes, average="none", ignore_index=IGNORE_INDEX),
-                "confmat": MulticlassConfusionMatrix(num_classes, ignore_index=IGNORE_INDEX),
-            }, compute_groups=True)
-
-        self.val_metrics = metrics()
-        self.test_metrics = metrics()
+        # One confusion matrix per stage, accumulated over the whole set (never a mean of batch
+        # scores), gives the mean and the per-class IoU.
+        self.val_metrics = confusion_matrix(num_classes)
+        self.test_metrics = confusion_matrix(num_classes)
 
     @classmethod
     def load_probe(cls, path, map_location="cpu") -> SegmentationProbeModule:
@@ -168,7 +181,8 @@ class SegmentationProbeModule(L.LightningModule):
                                          sort_keys=True, default=str).encode())
         for key, value in sorted(self.backbone.state_dict().items()):
             digest.update(key.encode())
-            digest.update(value.detach().cpu().contiguous().view(torch.uint8).numpy())
+            # reshape: 0-dim tensors cannot be viewed as bytes
+            digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
         device = device or self.device
         precision = "bf16" if isinstance(_bf16_autocast(device), torch.autocast) else "fp32"
         return f"{self.hparams.backbone}-{digest.hexdigest()[:16]}-{precision}"
@@ -246,7 +260,7 @@ class SegmentationProbeModule(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True, batch_size=label.shape[0])
         return loss
 
-    def _eval_step(self, batch: dict, metrics: MetricCollection, stage: str) -> None:
+    def _eval_step(self, batch: dict, metrics: MulticlassConfusionMatrix, stage: str) -> None:
         logits = self(batch)
         label = batch["label"]
         if (label != IGNORE_INDEX).any():
@@ -260,13 +274,9 @@ class SegmentationProbeModule(L.LightningModule):
     def test_step(self, batch: dict, batch_idx: int) -> None:
         self._eval_step(batch, self.test_metrics, "test")
 
-    def _log_epoch(self, metrics: MetricCollection, stage: str) -> None:
-        values = metrics.compute()
-        confmat = values["confmat"]
-        # IoU of a class in neither labels nor predictions is undefined: NaN, not 0 (and not in the mean)
-        present = (confmat.sum(0) + confmat.sum(1)) > 0
-        per_class = torch.where(present, values["IoU"], torch.full_like(values["IoU"], float("nan")))
-        self.log(f"{stage}/mIoU", values["mIoU"], prog_bar=True)
+    def _log_epoch(self, metrics: MulticlassConfusionMatrix, stage: str) -> None:
+        miou, per_class = iou_from_confusion(metrics.compute())
+        self.log(f"{stage}/mIoU", miou, prog_bar=True)
         names = self.class_names or [f"class_{i}" for i in range(self.num_classes)]
         self.log_dict({f"{stage}/IoU/{i:03d}_{names[i]}": per_class[i] for i in range(self.num_classes)})
 

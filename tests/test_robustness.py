@@ -60,6 +60,31 @@ def test_wrapped_alibi_features_roll_exactly_so_roll_equals_none(voc_root):
     assert scores["roll"] == pytest.approx(scores["none"], abs=1e-6)
 
 
+def test_robustness_miou_leaves_absent_classes_out(monkeypatch):
+    """21 VOC classes, a few present: the score is the mean over the present ones only."""
+    import numpy as np
+    import torchmetrics.classification.jaccard as tm_jaccard
+
+    # a torchmetrics release whose macro mean scored absent classes 0 must not change the result
+    monkeypatch.setattr(tm_jaccard, "_jaccard_index_reduce",
+                        lambda confmat, average, *args, **kwargs: (confmat.diag() / (
+                            confmat.sum(0) + confmat.sum(1) - confmat.diag()).clamp_min(1)).mean())
+    torch.manual_seed(0)
+    probe = SegmentationProbeModule("alibi_vit_small_patch14_reg4_dinov2", backbone_kwargs=TINY,
+                                    allow_random_init=True).eval()
+    images = torch.randn(2, 3, 28, 42)
+    labels = torch.randint(0, 2, (2, 28, 42))
+    labels[:, :3] = 255
+    scores = evaluate_robustness(probe, [{"image": images, "label": labels}], transforms=("none",))
+    with torch.no_grad():
+        preds = probe.head_logits(probe.backbone_features(images), labels.shape[-2:]).argmax(1)
+    valid = labels != 255
+    p, t = preds[valid].numpy(), labels[valid].numpy()
+    ious = [np.sum((p == c) & (t == c)) / np.sum((p == c) | (t == c)) for c in range(21) if np.any((p == c) | (t == c))]
+    assert len(ious) < 21
+    assert scores["none"] == pytest.approx(np.mean(ious), abs=1e-6)
+
+
 def test_learned_position_embeddings_are_not_roll_equivariant():
     """Control: DINOv2's architecture (learned pos_embed) does not roll its features with the image."""
     torch.manual_seed(0)

@@ -10,8 +10,8 @@ from PIL import Image
 
 from alibi_vit.images import IMAGENET_MEAN, IMAGENET_STD
 from datamodules.segmentation import (
-    ADE20K_CLASSES, COCO_STUFF_CLASSES, IGNORE_INDEX, VOC_CLASSES, ADE20KSegmentation, COCOStuffSegmentation,
-    DatasetLayoutError, VOCSegmentation, write_synthetic_voc,
+    ADE20K_CLASSES, COCO_STUFF_CATEGORY_IDS, COCO_STUFF_CLASSES, IGNORE_INDEX, VOC_CLASSES, ADE20KSegmentation,
+    COCOStuffSegmentation, DatasetLayoutError, VOCSegmentation, voc_palette, write_synthetic_voc,
 )
 
 
@@ -158,10 +158,13 @@ def test_cocostuff_json_rendering_matches_the_maps(tmp_path):
         return [[x0, y0, x1, y0, x1, y1, x0, y1]]
 
     image = {"id": 139, "file_name": "000000000139.jpg", "height": h, "width": w}
-    things = {"images": [image], "categories": [{"id": 1, "name": "person"}],
+    # the released files define every category, used in this image or not
+    thing_categories = [{"id": i, "name": n} for i, n in zip(COCO_STUFF_CATEGORY_IDS[:80], COCO_STUFF_CLASSES[:80])]
+    stuff_categories = [{"id": i, "name": n} for i, n in zip(COCO_STUFF_CATEGORY_IDS[80:], COCO_STUFF_CLASSES[80:])]
+    things = {"images": [image], "categories": thing_categories,
               "annotations": [{"id": 1, "image_id": 139, "category_id": 1, "segmentation": rect(5, 10, 15, 30),
                                "area": 200.0, "bbox": [10, 5, 20, 10], "iscrowd": 0}]}
-    stuff = {"images": [image], "categories": [{"id": 92, "name": "banner"}, {"id": 183, "name": "other"}],
+    stuff = {"images": [image], "categories": [*stuff_categories, {"id": 183, "name": "other"}],
              "annotations": [{"id": 2, "image_id": 139, "category_id": 92, "segmentation": rect(0, 0, h, w),
                               "area": float(h * w), "bbox": [0, 0, w, h], "iscrowd": 0},
                              {"id": 3, "image_id": 139, "category_id": 183, "segmentation": rect(20, 0, h, 5),
@@ -178,6 +181,27 @@ def test_cocostuff_json_rendering_matches_the_maps(tmp_path):
     json_label, map_label = from_json.val_set[0]["label"], from_maps.val_set[0]["label"]
     assert (json_label == 0).sum() > 150 and (json_label == 80).sum() > 600
     assert torch.equal(json_label, map_label)
+
+    # the instances file alone would leave every stuff pixel unlabelled: refused
+    things_only = COCOStuffSegmentation(str(root), image_size=[h, w], num_workers=0,
+                                        val_annotations=["annotations/instances_val2017.json"])
+    with pytest.raises(ValueError, match=r"(?s)define no categories \[92, .*stuff_\*\.json"):
+        things_only.setup("validate")
+
+
+def test_cocostuff_maps_skip_exactly_the_eleven_unused_thing_ids(tmp_path):
+    """Every stored value 0..181 maps to its class; the 11 unused thing ids and 182.. are ignored."""
+    stored = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    root = write_cocostuff_maps(tmp_path, stored)
+    dm = COCOStuffSegmentation(str(root), image_size=[16, 16], num_workers=0)
+    dm.setup("validate")
+    label = dm.val_set[0]["label"].flatten().tolist()
+    ignored = [v for v in range(182) if label[v] == IGNORE_INDEX]
+    assert [v + 1 for v in ignored] == [12, 26, 29, 30, 45, 66, 68, 69, 71, 83, 91]  # as COCO category ids
+    assert sorted(label[v] for v in range(182) if v not in ignored) == list(range(171))  # contiguous, once each
+    assert all(v == IGNORE_INDEX for v in label[182:])
+    # stored = category id - 1: ids 13, 89, 92 and 182
+    assert [COCO_STUFF_CLASSES[label[v]] for v in (12, 88, 91, 181)] == ["stop sign", "hair drier", "banner", "wood"]
 
 
 def test_missing_folders_and_split_files_say_what_layout_was_expected(tmp_path, voc_root):
@@ -208,6 +232,21 @@ def test_rgb_colour_masks_are_refused(voc_root):
     dm = VOCSegmentation(str(voc_root), image_size=28, num_workers=0)
     dm.setup("validate")
     with pytest.raises(ValueError, match="palette"):
+        dm.val_set[0]
+
+
+def test_values_outside_the_classes_are_refused(voc_root):
+    """A VOC SegmentationObject (instance ids) mask in place of SegmentationClass is an error, not a crash."""
+    val_id = (voc_root / "VOCdevkit/VOC2012/ImageSets/Segmentation/val.txt").read_text().split()[0]
+    path = voc_root / f"VOCdevkit/VOC2012/SegmentationClass/{val_id}.png"
+    mask = np.array(Image.open(path))
+    mask[:3, :3] = 23  # a 23rd object instance
+    im = Image.fromarray(mask, mode="P")
+    im.putpalette(voc_palette())
+    im.save(path)
+    dm = VOCSegmentation(str(voc_root), image_size=28, num_workers=0)
+    dm.setup("validate")
+    with pytest.raises(ValueError, match=r"values \[23\] are neither classes 0\.\.20 nor 255"):
         dm.val_set[0]
 
 
