@@ -75,8 +75,10 @@ def load_image(path) -> torch.Tensor:
             from PIL import Image
 
             with Image.open(path) as im:
-                if im.mode == "P":
+                if im.mode in ("P", "CMYK", "YCbCr", "LAB", "HSV"):  # CMYK JPEGs would read as RGBA
                     im = im.convert("RGB")
+                elif im.mode == "1":
+                    im = im.convert("L")
                 elif im.mode in ("I;16", "I;16B", "I;16L"):
                     return to_rgb_tensor(np.array(im, dtype=np.uint16), str(path))
                 elif im.mode == "I":

@@ -23,6 +23,13 @@ def test_png_rgb_and_grayscale(tmp_path):
     torch.testing.assert_close(load_image(tmp_path / "rgba.png"), img)
 
 
+def test_cmyk_jpeg_keeps_its_colours(tmp_path):
+    Image.new("CMYK", (8, 8), (0, 255, 255, 0)).save(tmp_path / "red.jpg")  # pure red in CMYK
+    img = load_image(tmp_path / "red.jpg")
+    assert img.shape == (3, 8, 8)
+    assert img[0].min() > 0.9 and img[1:].max() < 0.1
+
+
 def test_16_bit_tiff_uses_the_full_range(tmp_path):
     a = np.array([[0, 65535], [32768, 1000]], dtype=np.uint16)
     tifffile.imwrite(tmp_path / "m.tif", a)
