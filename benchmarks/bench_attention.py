@@ -126,6 +126,9 @@ def run(args):
             bsz = batch_of(n)
             gen = torch.Generator(device="cpu").manual_seed(0)
             q, k, v, dout = (torch.randn(bsz, heads, n, head_dim, generator=gen).to(device, dtype) for _ in range(4))
+            # Compiled flex specialises on every shape: without a reset the sweep (3 models × 4 sizes)
+            # would pass torch's recompile limit and time flex's unfused eager fallback instead.
+            torch._dynamo.reset()
             fns = backend_fns(names, grid)
             reference = None
             if "fwd" in args.modes:

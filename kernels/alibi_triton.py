@@ -112,7 +112,8 @@ def _offer(dims=_ALL_D, table=(True, False), fp32=False):
 # compiled for sm_90 (triton 3.9) without register spills and within shared memory: e.g. a
 # 128x128 forward tile spills in table mode (the gathered bias needs a 64-bit address per
 # element) but not in sqrt mode. fp32 inputs use exact ("ieee") products, which do not use
-# tensor cores and need far more registers: small tiles only; fp32 is a correctness path.
+# tensor cores and need far more registers: small tiles only, and even those spill on sm_90
+# (triton 3.6 and 3.9); fp32 is a correctness path.
 _FWD_CONFIGS = [(_cfg(128, 64, 8, 3), _offer(_SMALL_D)), (_cfg(64, 64, 4, 3), _offer()),
                 (_cfg(128, 128, 8, 2), _offer(_SMALL_D, table=(False,))), (_cfg(64, 64, 4, 2), _offer()),
                 (_cfg(128, 64, 8, 4), _offer(_SMALL_D)), (_cfg(128, 64, 8, 3), _offer(_LARGE_D, table=(False,))),
@@ -129,11 +130,12 @@ _DQ_CONFIGS = [(_cfg(128, 64, 8, 2), _offer(_SMALL_D)), (_cfg(64, 64, 8, 2), _of
 _INTERPRET_CONFIGS = {"fwd": [_cfg(16, 32, 4, 1)], "dkdv": [_cfg(32, 16, 4, 1)], "dq": [_cfg(16, 32, 4, 1)]}
 
 
-def _autotune(kind, tagged):
-    if _INTERPRET:
-        return triton.autotune(configs=_INTERPRET_CONFIGS[kind], key=["N", "HEAD_DIM"])
+def _gpu_autotune(tagged):
+    """Autotuner over the (config, offer) list; tests call its pruning, which the interpreter skips."""
     offer_of = {id(cfg): offer for cfg, offer in tagged}
 
+    # Triton (3.x) calls this as early_config_prune(configs, positional args by name, **keyword args):
+    # the tensors arrive in named_args, the constexprs passed by keyword in kwargs.
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
         if not {"HEAD_DIM", "TABLE", "Q"} <= args.keys():  # an autotuner that passes no meta-args
@@ -146,6 +148,12 @@ def _autotune(kind, tagged):
     return triton.autotune(configs=[cfg for cfg, _ in tagged],
                            key=["N", "HEAD_DIM", "TABLE", "WRAP", "COMPUTE_DSLOPE"],
                            prune_configs_by={"early_config_prune": prune})
+
+
+def _autotune(kind, tagged):
+    if _INTERPRET:
+        return triton.autotune(configs=_INTERPRET_CONFIGS[kind], key=["N", "HEAD_DIM"])
+    return _gpu_autotune(tagged)
 
 
 # --------------------------------------------------------------------------------------------
@@ -475,6 +483,10 @@ _fwd_kernel = _autotune("fwd", _FWD_CONFIGS)(_alibi_fwd_kernel)
 _dkdv_kernel = _autotune("dkdv", _DKDV_CONFIGS)(_alibi_bwd_dkdv_kernel)
 _dq_kernel = _autotune("dq", _DQ_CONFIGS)(_alibi_bwd_dq_kernel)
 _PREPROCESS_BLOCK_M = 16 if _INTERPRET else 64
+# Fused multiply-adds in the softmax and bias arithmetic, requested explicitly: on by default up
+# to Triton 3.9, which warns that 3.10 turns the default off (ptxas --fmad=false; ~15% more fp32
+# instructions in the forward's inner loop on sm_90).
+_LAUNCH_OPTIONS = {"enable_fp_fusion": True}
 
 
 # --------------------------------------------------------------------------------------------
@@ -545,6 +557,14 @@ def _check_tile_offsets(name, t):
         raise ValueError(f"{name}: one (batch, head) slice spans more than 2**31 elements; make it contiguous")
 
 
+def _check_output_offsets(heads, n, d):
+    # O, dQ, dK and dV are (B, N, heads, D) in memory: a slice's token stride is heads·D, whatever
+    # the inputs' strides, so that product must fit the kernels' int32 offsets as well.
+    if (n - 1) * heads * d + (d - 1) >= 2**31:
+        raise ValueError(f"(tokens - 1) * heads * head_dim = {(n - 1) * heads * d} reaches 2**31, the limit of "
+                         "the triton backend's (B, N, heads, D) outputs; use fewer heads or tokens per call")
+
+
 def _device_guard(t):
     # Triton launches on the current CUDA device; make that the tensors' device.
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
@@ -570,7 +590,7 @@ def _launch_fwd(q, k, v, slopes, h, w, prefix, wrap, normalize, use_table):
                           *_strides(q), *_strides(k), *_strides(v), *_strides(o),
                           heads, n, h, w, q_pad, k_pad, sm_scale * LOG2E, LOG2E * bias_norm,
                           HEAD_DIM=d, TABLE=use_table, WRAP=wrap, COMPUTE_DSLOPE=False,
-                          DOT_PREC=_dot_precision(q.dtype))
+                          DOT_PREC=_dot_precision(q.dtype), **_LAUNCH_OPTIONS)
     return o, lse
 
 
@@ -593,15 +613,18 @@ def _launch_bwd(do, q, k, v, o, lse, slopes, h, w, prefix, wrap, normalize, use_
 
     with _device_guard(q):
         _bwd_preprocess_kernel[(triton.cdiv(n, _PREPROCESS_BLOCK_M), heads, bsz)](
-            o, do, delta, *_strides(o), *_strides(do), heads, n, HEAD_DIM=d, BLOCK_M=_PREPROCESS_BLOCK_M)
+            o, do, delta, *_strides(o), *_strides(do), heads, n, HEAD_DIM=d, BLOCK_M=_PREPROCESS_BLOCK_M,
+            **_LAUNCH_OPTIONS)
         _dkdv_kernel[grid_k](q, k, v, do, dk, dv, lse, delta, dsl, slopes, codes, tbl,
                              *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
                              heads, n, h, w, q_pad, k_pad, sm_scale * LOG2E, sm_scale, LOG2E * bias_norm, bias_norm,
-                             HEAD_DIM=d, TABLE=use_table, WRAP=wrap, COMPUTE_DSLOPE=need_dslopes, DOT_PREC=prec)
+                             HEAD_DIM=d, TABLE=use_table, WRAP=wrap, COMPUTE_DSLOPE=need_dslopes, DOT_PREC=prec,
+                             **_LAUNCH_OPTIONS)
         _dq_kernel[grid_q](q, k, v, do, dq, lse, delta, slopes, codes, tbl,
                            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
                            heads, n, h, w, q_pad, k_pad, sm_scale * LOG2E, sm_scale, LOG2E * bias_norm,
-                           HEAD_DIM=d, TABLE=use_table, WRAP=wrap, COMPUTE_DSLOPE=False, DOT_PREC=prec)
+                           HEAD_DIM=d, TABLE=use_table, WRAP=wrap, COMPUTE_DSLOPE=False, DOT_PREC=prec,
+                           **_LAUNCH_OPTIONS)
     dslopes = dsl.sum(dim=(0, 2)) if need_dslopes else slopes.new_zeros(heads)
     return dq, dk, dv, dslopes
 
@@ -689,6 +712,7 @@ def _validate(q, k, v, grid_size, num_prefix_tokens, slopes, bias_mode):
         raise ValueError("need at least one token")
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tile_offsets(name, t)
+    _check_output_offsets(heads, n, d)
     if slopes is not None:
         if not isinstance(slopes, torch.Tensor) or slopes.shape != (heads,):
             raise ValueError(f"slopes must be a tensor of shape (heads,) = ({heads},)")

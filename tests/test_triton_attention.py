@@ -236,6 +236,62 @@ def test_rejects_bad_geometry_slopes_and_mode():
         triton_alibi_attention(q, q, q, (2, 2), 1, None, True, True, bias_mode="cosine")
 
 
+@pytest.mark.parametrize("needs", [("k",), ("v", "slopes"), ("slopes",)])
+def test_gradients_when_only_some_inputs_require_grad(needs):
+    """Autograd returns exactly the requested gradients, equal to the reference's."""
+    grid, prefix = (2, 3), 1
+    q, k, v, do, slopes = _inputs(1, 2, grid, prefix, 16, torch.float32, seed=29)
+    named = {"q": q, "k": k, "v": v, "slopes": slopes.clone()}
+    leaves = [named[name].requires_grad_() for name in needs]
+    out = triton_alibi_attention(named["q"], named["k"], named["v"], grid, prefix, named["slopes"], True, True)
+    grads = torch.autograd.grad(out, leaves, do)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v, named["slopes"])]
+    ref_out = eager_alibi_attention(*ref[:3], grid, prefix, ref[3], True, True)
+    ref_grads = dict(zip(("q", "k", "v", "slopes"), torch.autograd.grad(ref_out, ref, do.double())))
+    _check(out, ref_out, 2e-5, "out")
+    for name, g in zip(needs, grads):
+        _check(g, ref_grads[name], 5e-5 * max(1.0, ref_grads[name].abs().max().item()), name)
+
+
+def test_rejects_outputs_beyond_int32_offsets():
+    """Outputs are (B, N, heads, D) in memory even for inputs whose own offsets are small."""
+    n = 1 + 46 * 46
+    q = torch.zeros(1, 1, 1, 16, device=DEVICE).expand(1, 65535, n, 16)  # token stride 0
+    assert (n - 1) * 65535 * 16 >= 2**31
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        triton_alibi_attention(q, q, q, (46, 46), 1, None, True, True)
+
+
+@pytest.mark.parametrize("which", ["fwd", "dkdv", "dq"])
+@pytest.mark.parametrize("autotune", [True, False])
+def test_gpu_autotuner_prunes_to_the_offered_configs(which, autotune, monkeypatch):
+    """The GPU autotuner's early_config_prune, called the way Triton calls it (the interpreter never does).
+
+    Triton passes the positional arguments by name and the constexpr keywords as **kwargs; the
+    prune keeps the configs offered to (head_dim, bias mode, fp32), or only the first of them
+    when autotuning is off.
+    """
+    from kernels import alibi_triton as at
+
+    monkeypatch.setattr(at, "_AUTOTUNE", autotune)
+    fn, tagged = {"fwd": (at._alibi_fwd_kernel, at._FWD_CONFIGS),
+                  "dkdv": (at._alibi_bwd_dkdv_kernel, at._DKDV_CONFIGS),
+                  "dq": (at._alibi_bwd_dq_kernel, at._DQ_CONFIGS)}[which]
+    tuner = at._gpu_autotune(tagged)(fn)
+    for head_dim in at.SUPPORTED_HEAD_DIMS:
+        for table in (True, False):
+            for dtype in (torch.bfloat16, torch.float32):
+                kwargs = dict(HEAD_DIM=head_dim, TABLE=table, WRAP=True, COMPUTE_DSLOPE=False,
+                              DOT_PREC=at._dot_precision(dtype))
+                positional = [name for name in tuner.arg_names if name not in kwargs and "BLOCK" not in name]
+                tuner.nargs = {name: 0 for name in positional}
+                tuner.nargs["Q"] = torch.zeros(1, dtype=dtype)
+                got = tuner.prune_configs(kwargs)
+                want = [cfg for cfg, offer in tagged if offer(head_dim, table, dtype == torch.float32)]
+                assert got == (want if autotune else want[:1]), (head_dim, table, dtype)
+                assert all(cfg.kwargs["BLOCK_M"] >= 16 and cfg.kwargs["BLOCK_N"] >= 16 for cfg in got)
+
+
 def test_every_gpu_call_is_offered_a_launch_config():
     """Each (head_dim, bias mode, fp32 or 16-bit) combination has a tuned config list, first = fixed default."""
     from kernels import alibi_triton as at
@@ -335,6 +391,31 @@ def test_compiles_without_graph_break_aot_eager():
     """Dynamo + AOTAutograd trace the op through its fake impl and autograd formula (no inductor)."""
     torch.manual_seed(0)
     _compiled_matches_eager(_AttnBlock((3, 4), 1).to(DEVICE), torch.randn(2, 13, 64, device=DEVICE), "aot_eager", 1e-6)
+
+
+def test_compiles_with_dynamic_shapes_across_grids_aot_eager():
+    """dynamic=True: symbolic batch and token counts go through the fake impl; each grid runs right."""
+    torch.manual_seed(0)
+
+    class Block(_AttnBlock):
+        def forward(self, x, grid):
+            self.grid = grid
+            return super().forward(x)
+
+    model = Block(None, 1, dim=32).to(DEVICE)
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True, fullgraph=True)
+    for grid, bsz in (((2, 3), 2), ((3, 3), 1)):
+        x = torch.randn(bsz, 1 + grid[0] * grid[1], 32, device=DEVICE)
+        got = compiled(x, grid)
+        got.square().mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        ref = model(x, grid)
+        ref.square().mean().backward()
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
+        for g, p in zip(grads, model.parameters()):
+            torch.testing.assert_close(g, p.grad, atol=1e-6, rtol=1e-6)
+        model.zero_grad()
 
 
 @needs_gpu
