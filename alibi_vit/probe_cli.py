@@ -38,7 +38,8 @@ def _features(model, images, batch_size, device, layers):
     for start in tqdm(range(0, len(images), batch_size), desc="features", leave=False):
         batch = torch.stack(images[start:start + batch_size]).to(device)
         feats = patch_features(model, batch, layers=layers)
-        feats = {"final": feats} if layers is None else {**feats, "final": patch_features(model, batch)}
+        # The last block's output through the final norm is the final feature map: no second forward.
+        feats = {"final": feats} if layers is None else {**feats, "final": feats[layers[-1]]}
         for key, value in feats.items():
             out.setdefault(key, []).append(value.float().cpu())
     return {key: torch.cat(chunks) for key, chunks in out.items()}
