@@ -30,7 +30,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 import alibi_vit
 from alibi_vit import create_backbone, load_state_dict_file, load_weights, patch_features
 from alibi_vit.feature_maps import shared_pca_rgb
-from alibi_vit.images import bundled_images, denormalize, noise_images, normalize, resize_center_crop
+from alibi_vit.images import denormalize, load_image_set, normalize
 from alibi_vit.models import POSITION_KWARGS
 from alibi_vit.probe import positional_r2
 
@@ -115,8 +115,9 @@ def _images_of(batch) -> torch.Tensor:
     raise TypeError(f"expected a batch of images (a tensor, (images, ...) or {{'image': ...}}), got {type(batch)}")
 
 
-def _prepare(images: list, size: int) -> torch.Tensor:
-    return torch.stack([normalize(resize_center_crop(img, size)) for img in images])
+def _normalized_set(source: str, size: int, count: Optional[int] = None, **kwargs) -> torch.Tensor:
+    """The first ``count`` images of a bundled set or ``"noise"``, cropped to ``size`` and normalised, as a batch."""
+    return torch.stack([normalize(img) for _, img in load_image_set(source, size, **kwargs)[:count]])
 
 
 class DistillationModule(LightningModule):
@@ -309,13 +310,11 @@ class DistillationModule(LightningModule):
     def _probe_sets(self) -> dict:
         if self._probe_batches is None:
             size = self.hparams.probe_image_size
-            sets = {"textures": _prepare([img for _, img in bundled_images("textures")], size)}
+            sets = {"textures": _normalized_set("textures", size)}
             if self.hparams.probe_noise_images > 0:
-                sets["noise"] = _prepare([img for _, img in noise_images(self.hparams.probe_noise_images, size,
-                                                                         seed=0)], size)
+                sets["noise"] = _normalized_set("noise", size, noise_count=self.hparams.probe_noise_images, seed=0)
             if self.hparams.pca_images > 0:
-                photos = [img for _, img in bundled_images("photos")][: self.hparams.pca_images]
-                sets["pca"] = _prepare(photos, size)
+                sets["pca"] = _normalized_set("photos", size, count=self.hparams.pca_images)
             self._probe_batches = sets
         return self._probe_batches
 
