@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from report import RESULTS, command_line, environment, slug, write_report
+from report import command_line, environment, slug, write_report
 TINY = {"depth": 2, "embed_dim": 32, "num_heads": 2}  # head_dim 16: a size the Triton kernel takes
 
 
@@ -38,7 +38,8 @@ def parse_args(argv=None):
                         "triton eager under TRITON_INTERPRET=1)")
     p.add_argument("--steps", type=int, default=20, help="timed optimizer steps")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (autotuning, allocator)")
-    p.add_argument("--out-dir", type=Path, default=RESULTS, help="where the .md and .json go")
+    p.add_argument("--out-dir", type=Path, default=None,
+                   help="where the .md and .json go (default: benchmarks/results/, smoke runs: benchmarks/results/smoke/)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny CPU run (2-block width-32 models, 28/56 px, fp32) that checks the script, not speed")
     args = p.parse_args(argv)
@@ -138,7 +139,7 @@ def write_distill_report(rows: list, args, device_name: str) -> tuple[Path, Path
                          f"| {r['ms_per_step']:.1f} | {peak} | {speedup} |")
     lines += ["", "Speed-up is relative to eager attention with the materialised bias at the same size."]
     stem = f"distill_throughput_{'cpu-smoke' if args.smoke else slug(device_name)}"
-    return write_report(args.out_dir, stem, {"meta": meta, "results": rows}, lines)
+    return write_report(args.out_dir, stem, {"meta": meta, "results": rows}, lines, smoke=args.smoke)
 
 
 def main(argv=None) -> int:

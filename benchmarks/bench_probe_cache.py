@@ -32,7 +32,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from report import RESULTS, command_line, environment, slug, write_report  # noqa: E402
+from report import command_line, environment, slug, write_report  # noqa: E402
 TINY = {"depth": 2, "embed_dim": 48, "num_heads": 2}
 TARGET = 0.20
 
@@ -49,7 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--no-baseline", action="store_true", help="skip the uncached reference epoch")
     p.add_argument("--work-dir", type=Path, default=None,
                    help="where the synthetic dataset and the cache go (default: a temporary folder, removed after)")
-    p.add_argument("--out-dir", type=Path, default=RESULTS, help="where the .md and .json go")
+    p.add_argument("--out-dir", type=Path, default=None,
+                   help="where the .md and .json go (default: benchmarks/results/, smoke runs: benchmarks/results/smoke/)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU run with a tiny 2-block backbone and 24 images: checks the script, not a GPU timing")
     args = p.parse_args(argv)
@@ -133,7 +134,8 @@ def write_cache_report(result: dict, args, device_name: str, device_slug: str) -
     lines += ["", f"Later cached epochs take {100 * result['later_to_first']:.1f} % of the first (mean of epochs "
               f"2–{len(times)}); the target is ≤ {100 * TARGET:.0f} %: {verdict} it. Cache on disk: "
               f"{result['cache_mib']:.0f} MiB ({result['cache_mib'] / args.images:.2f} MiB per image)."]
-    return write_report(args.out_dir, f"probe_cache_{device_slug}", {"meta": meta, "results": result}, lines)
+    return write_report(args.out_dir, f"probe_cache_{device_slug}", {"meta": meta, "results": result}, lines,
+                        smoke=args.smoke)
 
 
 def main(argv=None) -> int:

@@ -10,6 +10,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# --smoke runs check that a script works; their figures are not measurements and stay out of git.
+SMOKE_RESULTS = RESULTS / "smoke"
 
 
 def slug(name: str) -> str:
@@ -36,9 +38,14 @@ def environment() -> dict:
     return env
 
 
-def write_report(out_dir: Path, stem: str, payload: dict, markdown: list[str]) -> tuple[Path, Path]:
-    """Write ``stem.json`` (the payload) and ``stem.md`` (the lines) into ``out_dir``."""
-    out_dir = Path(out_dir)
+def write_report(out_dir: Path | None, stem: str, payload: dict, markdown: list[str], *,
+                 smoke: bool = False) -> tuple[Path, Path]:
+    """Write ``stem.json`` (the payload) and ``stem.md`` (the lines) into ``out_dir``.
+
+    Without an ``out_dir``, real runs go to ``benchmarks/results/`` (committed) and smoke runs to
+    ``benchmarks/results/smoke/`` (ignored by git).
+    """
+    out_dir = Path(out_dir) if out_dir is not None else (SMOKE_RESULTS if smoke else RESULTS)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
     json_path.write_text(json.dumps(payload, indent=2) + "\n")
