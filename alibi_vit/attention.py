@@ -42,7 +42,7 @@ def initial_slopes(scheme: str, num_heads: int) -> torch.Tensor:
 
 
 class AlibiAttention(Attention):
-    """timm ``Attention`` whose logits get ``m_h · B`` (SPEC.md §2), or no position at all (NoPE)."""
+    """timm ``Attention`` whose logits get ``m_h · B`` (README.md "Method" §2), or no position at all (NoPE)."""
 
     def configure_position(self, patch_grid: PatchGrid, num_prefix_tokens: int, *, use_bias: bool = True,
                            slopes: str = "constant", wrap: bool = True, normalize: bool = True,

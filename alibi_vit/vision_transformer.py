@@ -71,7 +71,7 @@ def convert_to_alibi(model: VisionTransformer, *, slopes: str = "constant", wrap
     """Turn a timm VisionTransformer (DINOv2, DINO, MAE, with or without registers) into an ALiBi ViT.
 
     In place (the same object is returned): ``pos_embed`` is zeroed, frozen and no longer
-    added; every attention layer adds ``m_h · B`` with ``B`` the 2D bias of SPEC.md §2.
+    added; every attention layer adds ``m_h · B`` with ``B`` the 2D bias of README.md "Method" §2.
 
     Args:
         slopes: ``"constant"`` (m_h = 1, the paper's choice), ``"learned"`` (a trainable
