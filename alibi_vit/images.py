@@ -1,68 +1,150 @@
 """Reading images the way microscopists store them, and the fixed image sets the project probes.
 
-``load_image`` turns PNG, JPEG, TIFF (8/16-bit, float, grayscale, RGB, RGBA) into a float
-tensor (3, H, W) in [0, 1]. ``resize_center_crop`` and ``normalize`` are the DINOv2
-preprocessing (shortest side resized, centre crop, ImageNet mean/std).
+``load_image`` turns PNG, JPEG, TIFF (8/16/32-bit integer, float, grayscale, RGB, RGBA) into a
+float32 tensor (3, H, W) in [0, 1]; ``load_grayscale`` gives a float32 array (H, W) in [0, 1],
+colour reduced to luma (what per-pixel tools such as trainable segmentation need). ``resize_center_crop`` and
+``normalize`` are the DINOv2 preprocessing (shortest side resized, centre crop, ImageNet mean/std).
+
+How stored pixel values become [0, 1] is the *intensity mode*, one convention wherever the
+project reads images (``scale_intensity``; ``--intensity`` on the command line; the
+``intensity`` argument of the image DataModules):
+
+- ``"dtype"``: integers divided by their type's maximum (uint8 255, uint16 65535; negative
+  values of signed types become 0), booleans as 0/1. Floats already within [0, 1] are kept;
+  other floats have no maximum to divide by and are min-max scaled.
+- ``"minmax"``: the image's minimum becomes 0 and its maximum 1.
+- ``"percentile"``: a robust stretch: the 0.5th percentile becomes 0 and the 99.5th 1, values
+  beyond are clipped. The 0.5 % tails absorb hot and dead pixels and saturated spots, which
+  would otherwise decide the whole range, while real structure is left unsaturated. When the
+  two percentiles coincide (e.g. a few bright spots on an empty background) it falls back to
+  ``minmax``.
+- ``"auto"`` (the default): ``percentile`` for single-channel images, ``dtype`` for colour
+  images, so 8-bit photos keep their look while a 12-bit camera's uint16 image (values up to
+  4095, i.e. below 0.07 when divided by 65535) or a low-contrast micrograph fills the range.
+
+Statistics are taken over all channels together (colours keep their balance) and over finite
+values only; constant images become 0 everywhere, and NaN or infinite pixels become 0.
 """
 
 from __future__ import annotations
 
+import difflib
+import os
+import warnings
 from pathlib import Path
+from typing import Literal, Union
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "IMAGE_EXTENSIONS", "IMAGENET_MEAN", "IMAGENET_STD", "ImageReadError", "bundled_images", "denormalize",
-    "list_images", "load_image", "load_image_set", "noise_images", "normalize", "resize_center_crop", "to_rgb_tensor",
+    "BUNDLED_SETS", "IMAGE_EXTENSIONS", "IMAGENET_MEAN", "IMAGENET_STD", "INTENSITY_MODES", "PERCENTILES",
+    "ImageReadError", "IntensityMode", "bundled_images", "check_intensity", "denormalize", "list_images",
+    "load_grayscale", "load_image", "load_image_set", "noise_images", "normalize", "read_array",
+    "resize_center_crop", "scale_intensity", "to_rgb_tensor",
 ]
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-# Offline images that ship with scikit-image, grouped as the probe's datasets.
+IntensityMode = Literal["auto", "dtype", "minmax", "percentile"]
+INTENSITY_MODES: tuple[str, ...] = ("auto", "dtype", "minmax", "percentile")
+PERCENTILES = (0.5, 99.5)  # the "percentile" mode's black and white points, in percent
+
+# Offline images that ship with scikit-image, grouped by what they show.
 BUNDLED_SETS = {
-    "textures": ("brick", "grass", "gravel"),
-    "micrographs": ("cell", "immunohistochemistry", "microaneurysms", "hubble_deep_field"),
-    "photos": ("astronaut", "chelsea", "coffee", "rocket"),
+    "textures": ("brick", "grass", "gravel"),                    # grayscale texture photographs
+    "photos": ("astronaut", "chelsea", "coffee", "rocket"),      # everyday colour photographs
+    "microscopy": ("cell", "immunohistochemistry"),              # quantitative-phase image of a cell; IHC-stained tissue
+    "retina": ("microaneurysms", "retina"),                      # fundus images of the eye
+    "astronomy": ("hubble_deep_field", "moon"),                  # telescope images
 }
+# Former set names, still read (with a warning) so old configs keep their images.
+_RENAMED_SETS = {
+    "micrographs": (("cell", "immunohistochemistry", "microaneurysms", "hubble_deep_field"),
+                    "it held more than micrographs: use 'microscopy' (cell, immunohistochemistry), "
+                    "'retina' (microaneurysms) and 'astronomy' (hubble_deep_field)"),
+}
+_LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)  # ITU-R BT.601 luma weights
+_BUNDLED_IMAGES = tuple(dict.fromkeys(n for names in BUNDLED_SETS.values() for n in names))
+
+PathLike = Union[str, os.PathLike]
 
 
 class ImageReadError(ValueError):
     """An image file that cannot be read or has an unusable layout."""
 
 
-def to_rgb_tensor(array: np.ndarray, source: str = "array") -> torch.Tensor:
-    """(H, W), (H, W, 1|3|4) integer or float array → float32 tensor (3, H, W) scaled to [0, 1]."""
+# -- intensity --------------------------------------------------------------------------------------
+
+def check_intensity(intensity) -> str:
+    """The intensity mode's name, ``None`` read as ``"auto"``; an unknown mode is a ValueError listing the modes."""
+    mode = str(intensity or "auto")
+    if mode not in INTENSITY_MODES:
+        raise ValueError(f"unknown intensity mode {intensity!r}; choose one of {', '.join(INTENSITY_MODES)}")
+    return mode
+
+
+def _stretch(x: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    if not hi > lo:  # constant image: zeros rather than 0/0
+        return np.zeros_like(x)
+    return (x - np.float32(lo)) / np.float32(hi - lo)
+
+
+def scale_intensity(array, intensity: IntensityMode = "auto", percentiles: tuple[float, float] = PERCENTILES,
+                    source: str = "array") -> np.ndarray:
+    """Pixel values → float32 in [0, 1], same shape, by an intensity mode (see the module docstring).
+
+    Args:
+        array: an image (H, W) or channels-last (H, W, C) of bool, integer or float pixels.
+        intensity: ``"auto"`` (default: ``"percentile"`` for (H, W) and (H, W, 1), ``"dtype"``
+            otherwise), ``"dtype"``, ``"minmax"`` or ``"percentile"``.
+        percentiles: black and white points of ``"percentile"``, in percent (default 0.5, 99.5).
+        source: what the array is (a file name), for error messages.
+    """
+    mode = check_intensity(intensity)
     a = np.asarray(array)
-    if a.ndim == 3 and a.shape[0] in (1, 3, 4) and a.shape[-1] not in (1, 3, 4):
-        a = np.moveaxis(a, 0, -1)  # channels-first TIFF stacks
-    if a.ndim == 2:
-        a = a[..., None]
-    if a.ndim != 3 or a.shape[-1] not in (1, 2, 3, 4):
-        raise ImageReadError(f"{source}: expected a 2D grayscale or RGB(A) image, got array of shape {a.shape}")
-    if a.shape[-1] in (2, 4):  # drop alpha
-        a = a[..., :-1]
-    if a.dtype == bool:
-        a = a.astype(np.float32)
-    elif np.issubdtype(a.dtype, np.integer):
-        a = a.astype(np.float32) / float(np.iinfo(a.dtype).max)
-    elif np.issubdtype(a.dtype, np.floating):
-        a = a.astype(np.float32)
-        lo, hi = float(np.nanmin(a)), float(np.nanmax(a))
-        if lo < 0.0 or hi > 1.0:  # float micrographs come in arbitrary units
-            a = (a - lo) / (hi - lo) if hi > lo else np.zeros_like(a)
-    else:
+    if a.dtype.kind not in "biuf":
         raise ImageReadError(f"{source}: unsupported pixel type {a.dtype}")
-    if a.shape[-1] == 1:
-        a = np.repeat(a, 3, axis=-1)
-    return torch.from_numpy(np.ascontiguousarray(a.transpose(2, 0, 1)))
+    if mode == "auto":
+        single_channel = a.ndim < 3 or a.shape[-1] == 1
+        mode = "percentile" if single_channel else "dtype"
+    lo_pct, hi_pct = (float(p) for p in percentiles)
+    if not 0.0 <= lo_pct < hi_pct <= 100.0:
+        raise ValueError(f"percentiles must satisfy 0 <= low < high <= 100, got {percentiles}")
+    x = a.astype(np.float32)  # float32 (not 64) keeps a large micrograph's copy small
+    finite = np.isfinite(x) if a.dtype.kind == "f" else None
+    # Statistics on the stored integers where possible: numpy's percentile is about twice as fast there.
+    values = x[finite] if finite is not None else a.ravel() if a.dtype.kind in "iu" else x.ravel()
+    if mode == "dtype":
+        if a.dtype.kind in "iu":
+            x = np.clip(x, 0.0, None) / np.float32(np.iinfo(a.dtype).max)
+        elif a.dtype.kind == "f" and values.size and (values.min() < 0.0 or values.max() > 1.0):
+            x = _stretch(x, float(values.min()), float(values.max()))
+    elif values.size == 0:
+        x = np.zeros_like(x)
+    else:
+        lo, hi = float(values.min()), float(values.max())
+        if mode == "percentile":
+            p_lo, p_hi = np.percentile(values, (lo_pct, hi_pct))
+            if p_hi > p_lo:  # else the bulk of the image is one value: keep min-max
+                lo, hi = float(p_lo), float(p_hi)
+        x = _stretch(x, lo, hi)
+    if finite is not None:
+        x[~finite] = 0.0
+    return np.clip(x, 0.0, 1.0, out=x)
 
 
-def load_image(path) -> torch.Tensor:
-    """Read an image file as a float32 tensor (3, H, W) in [0, 1]; raise ImageReadError naming the file."""
+# -- reading ------------------------------------------------------------------------------------------
+
+def read_array(path: PathLike) -> np.ndarray:
+    """The pixels of an image file as stored (dtype and value range untouched), without scaling.
+
+    Palette, CMYK and other colour models are converted to RGB, 1-bit images to uint8 0/255;
+    16-bit PNGs come back as uint16. Raises :class:`ImageReadError` naming the file.
+    """
     path = Path(path)
     if not path.is_file():
         raise ImageReadError(f"{path}: no such image file")
@@ -75,23 +157,79 @@ def load_image(path) -> torch.Tensor:
             from PIL import Image
 
             with Image.open(path) as im:
-                if im.mode in ("P", "CMYK", "YCbCr", "LAB", "HSV"):  # CMYK JPEGs would read as RGBA
+                if im.mode in ("P", "PA", "CMYK", "YCbCr", "LAB", "HSV"):  # CMYK JPEGs would read as RGBA
                     im = im.convert("RGB")
                 elif im.mode == "1":
                     im = im.convert("L")
-                elif im.mode in ("I;16", "I;16B", "I;16L"):
-                    return to_rgb_tensor(np.array(im, dtype=np.uint16), str(path))
-                elif im.mode == "I":
-                    array = np.array(im, dtype=np.int32)
-                    return to_rgb_tensor(array.astype(np.float32), str(path))
-                array = np.array(im)
-    except ImageReadError:
-        raise
+                if im.mode in ("I;16", "I;16B", "I;16L"):
+                    array = np.array(im, dtype=np.uint16)
+                else:
+                    array = np.array(im)
+            if array.dtype == np.int32 and array.size and array.min() >= 0 and array.max() <= 65535:
+                array = array.astype(np.uint16)  # PIL's 32-bit mode "I" holding a 16-bit image
     except Exception as err:  # PIL/tifffile raise many types for corrupt files
         raise ImageReadError(f"{path}: cannot read image ({type(err).__name__}: {err})") from err
     if array.ndim == 3 and array.shape[0] == 1:
         array = array[0]
-    return to_rgb_tensor(array, str(path))
+    return array
+
+
+def _channels_last(array, source: str) -> np.ndarray:
+    """(H, W), (H, W, C) or channels-first (C, H, W) → (H, W, 1|3), alpha dropped."""
+    a = np.asarray(array)
+    if a.ndim == 3 and a.shape[0] in (1, 3, 4) and a.shape[-1] not in (1, 3, 4):
+        a = np.moveaxis(a, 0, -1)  # channels-first TIFF stacks
+    if a.ndim == 2:
+        a = a[..., None]
+    if a.ndim != 3 or a.shape[-1] not in (1, 2, 3, 4):
+        raise ImageReadError(f"{source}: expected a 2D grayscale or RGB(A) image, got array of shape {a.shape}")
+    if a.shape[-1] in (2, 4):  # drop alpha: it says where to draw, not what is there
+        a = a[..., :-1]
+    return a
+
+
+def to_rgb_tensor(array: np.ndarray, source: str = "array", intensity: IntensityMode = "auto") -> torch.Tensor:
+    """(H, W), (H, W, 1|2|3|4) or (1|3|4, H, W) bool, integer or float array → float32 tensor (3, H, W) in [0, 1].
+
+    ``intensity`` picks how values are scaled (:func:`scale_intensity`); grayscale is repeated
+    over the three channels, alpha dropped.
+    """
+    a = scale_intensity(_channels_last(array, source), intensity, source=source)
+    if a.shape[-1] == 1:
+        a = np.repeat(a, 3, axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(a.transpose(2, 0, 1)))
+
+
+def load_image(path: PathLike, intensity: IntensityMode = "auto") -> torch.Tensor:
+    """Read an image file as a float32 tensor (3, H, W) in [0, 1]; raise ImageReadError naming the file.
+
+    ``intensity``: ``"auto"`` (default), ``"dtype"``, ``"minmax"`` or ``"percentile"``; see the module docstring.
+    """
+    return to_rgb_tensor(read_array(path), str(path), intensity)
+
+
+def load_grayscale(source, intensity: IntensityMode = "auto") -> np.ndarray:
+    """A single-channel float32 array (H, W) in [0, 1] from an image file or an array.
+
+    ``source`` is a path or an array laid out as :func:`to_rgb_tensor` accepts. Colour is reduced
+    to luma with the ITU-R BT.601 weights (0.299 R + 0.587 G + 0.114 B, as PIL's "L" conversion
+    and Fiji's weighted conversion). ``intensity`` as in :func:`scale_intensity`, with ``"auto"``
+    decided by the image's own channels (``dtype`` for colour, ``percentile`` for grayscale);
+    ``minmax`` and ``percentile`` measure the luma, so their output spans [0, 1] as for grayscale.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        array, name = read_array(source), str(source)
+    else:
+        array, name = source, "array"
+    a = _channels_last(array, name)
+    mode = check_intensity(intensity)
+    if a.shape[-1] == 1:
+        return np.ascontiguousarray(scale_intensity(a[..., 0], mode, source=name))
+    if mode in ("auto", "dtype"):  # divide by the dtype's maximum first: luma of values in [0, 1]
+        return np.clip(scale_intensity(a, "dtype", source=name) @ _LUMA, 0.0, 1.0)
+    if a.dtype.kind not in "biuf":
+        raise ImageReadError(f"{name}: unsupported pixel type {a.dtype}")
+    return scale_intensity(a.astype(np.float32) @ _LUMA, mode, source=name)
 
 
 def list_images(folder, recursive: bool = True) -> list[Path]:
@@ -105,6 +243,8 @@ def list_images(folder, recursive: bool = True) -> list[Path]:
         raise FileNotFoundError(f"image folder {folder} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
     return files
 
+
+# -- preprocessing ------------------------------------------------------------------------------------
 
 def resize_center_crop(image: torch.Tensor, size) -> torch.Tensor:
     """Resize so the shortest side matches ``size`` then crop the centre; ``size`` is int or (H, W)."""
@@ -137,18 +277,40 @@ def denormalize(image: torch.Tensor) -> torch.Tensor:
     return (image * std + mean).clamp(0.0, 1.0)
 
 
-def bundled_images(name: str = "textures") -> list[tuple[str, torch.Tensor]]:
-    """Named images that ship with scikit-image: a set from ``BUNDLED_SETS`` or one image name."""
+# -- image sets ---------------------------------------------------------------------------------------
+
+def _sets_listing() -> str:
+    return "; ".join(f"{name} ({', '.join(images)})" for name, images in BUNDLED_SETS.items())
+
+
+def _did_you_mean(name: str, candidates) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _is_bundled(name: str) -> bool:
+    return name in BUNDLED_SETS or name in _RENAMED_SETS or name in _BUNDLED_IMAGES
+
+
+def bundled_images(name: str = "textures", intensity: IntensityMode = "auto") -> list[tuple[str, torch.Tensor]]:
+    """(image name, (3, H, W) tensor in [0, 1]) for a set of ``BUNDLED_SETS`` or one of its images.
+
+    The images ship with scikit-image (no download). ``intensity`` as in :func:`load_image`;
+    with ``"auto"`` the grayscale ones (textures, cell, microaneurysms, moon) are percentile-stretched.
+    """
     from skimage import data
 
-    names = BUNDLED_SETS.get(name, (name,))
-    images = []
-    for n in names:
-        loader = getattr(data, n, None)
-        if loader is None:
-            raise ValueError(f"unknown bundled image or set {n!r}; sets: {', '.join(BUNDLED_SETS)}")
-        images.append((n, to_rgb_tensor(loader(), f"skimage.data.{n}")))
-    return images
+    if name in _RENAMED_SETS:
+        names, advice = _RENAMED_SETS[name]
+        warnings.warn(f"the bundled set {name!r} was renamed: {advice}", FutureWarning, stacklevel=2)
+    elif name in BUNDLED_SETS:
+        names = BUNDLED_SETS[name]
+    elif name in _BUNDLED_IMAGES:
+        names = (name,)
+    else:
+        raise ValueError(f"unknown bundled set or image {name!r}; sets: {_sets_listing()}"
+                         f"{_did_you_mean(name, [*BUNDLED_SETS, *_BUNDLED_IMAGES])}")
+    return [(n, to_rgb_tensor(getattr(data, n)(), f"skimage.data.{n}", intensity)) for n in names]
 
 
 def noise_images(count: int, size, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -158,12 +320,27 @@ def noise_images(count: int, size, seed: int = 0) -> list[tuple[str, torch.Tenso
     return [(f"noise_{i}", torch.rand(3, h, w, generator=gen)) for i in range(count)]
 
 
-def load_image_set(source: str, size: int, noise_count: int = 8, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
-    """(name, (3, size, size) image in [0, 1]) for a folder, a bundled set or ``"noise"``, resized and cropped."""
+def load_image_set(source: str, size, noise_count: int = 8, seed: int = 0,
+                   intensity: IntensityMode = "auto") -> list[tuple[str, torch.Tensor]]:
+    """(name, (3, size, size) image in [0, 1]) resized and centre-cropped, from ``source``:
+
+    ``"noise"``; a folder of images (searched recursively) or a single image file; else a
+    bundled set (``BUNDLED_SETS``) or one of its images. A path wins over a set of the same
+    name. Anything else is a FileNotFoundError that lists the bundled sets and suggests the
+    closest name. ``intensity`` as in :func:`load_image` (noise is already in [0, 1]).
+    """
+    source = str(source)
+    path = Path(source)
     if source == "noise":
         named = noise_images(noise_count, size, seed)
-    elif source in BUNDLED_SETS and not Path(source).exists():
-        named = bundled_images(source)
+    elif path.is_dir():
+        named = [(p.stem, load_image(p, intensity)) for p in list_images(path)]
+    elif path.is_file():
+        named = [(path.stem, load_image(path, intensity))]
+    elif _is_bundled(source):
+        named = bundled_images(source, intensity)
     else:
-        named = [(p.stem, load_image(p)) for p in list_images(source)]
+        hint = "" if os.sep in source else _did_you_mean(source, [*BUNDLED_SETS, "noise", *_BUNDLED_IMAGES])
+        raise FileNotFoundError(f"{source!r} does not exist: give a folder of images, an image file, 'noise' or "
+                                f"a bundled set: {_sets_listing()}{hint}")
     return [(name, resize_center_crop(img, size)) for name, img in named]

@@ -1,8 +1,9 @@
 """Unlabelled image DataModules for distillation: a folder of images, COCO, or scikit-image's bundled images.
 
 Every sample is the DINOv2 preprocessing of one image: shortest side resized to the stage's
-``image_size``, centre crop, ImageNet normalisation; no augmentation (SPEC.md §4). Batches
-are plain tensors (B, 3, S, S).
+``image_size``, centre crop, ImageNet normalisation; no augmentation (README.md "Method" §4).
+Batches are plain tensors (B, 3, S, S). How pixel values become [0, 1] first is the
+``intensity`` mode of :mod:`alibi_vit.images` (``auto``, ``dtype``, ``minmax``, ``percentile``).
 
 ``batch_size`` is the *global* batch: each of the ``world_size`` processes loads
 ``batch_size // world_size`` images, so one config gives the same optimisation on 1 or 8 GPUs.
@@ -26,8 +27,8 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from alibi_vit.images import (ImageReadError, bundled_images, list_images, load_image, normalize,
-                              resize_center_crop)
+from alibi_vit.images import (BUNDLED_SETS, ImageReadError, IntensityMode, bundled_images, check_intensity,
+                              list_images, load_image, normalize, resize_center_crop)
 
 __all__ = ["BundledImagesDataModule", "CocoImagesDataModule", "ImageFileDataset", "ImageFolderDataModule",
            "ResumableDataLoader", "ResumableSampler", "TensorImageDataset"]
@@ -42,21 +43,24 @@ class ImageFileDataset(Dataset):
     delay every (re)start. With ``skip_unreadable`` an unreadable file is logged (once per
     worker) and replaced by the next readable file in the list, so batches keep their size and
     DDP ranks stay in step; otherwise it raises :class:`ImageReadError` naming the file.
+    ``intensity`` is the mode of :func:`alibi_vit.images.load_image` (default ``"auto"``).
     """
 
-    def __init__(self, files: Sequence, image_size: int, skip_unreadable: bool = False):
+    def __init__(self, files: Sequence, image_size: int, skip_unreadable: bool = False,
+                 intensity: IntensityMode = "auto"):
         self.files = [Path(f) for f in files]
         if not self.files:
             raise ValueError("an image dataset needs at least one file")
         self.image_size = int(image_size)
         self.skip_unreadable = bool(skip_unreadable)
+        self.intensity = check_intensity(intensity)
         self._unreadable: set[Path] = set()
 
     def __len__(self) -> int:
         return len(self.files)
 
     def _load(self, path: Path) -> torch.Tensor:
-        return normalize(resize_center_crop(load_image(path), self.image_size))
+        return normalize(resize_center_crop(load_image(path, self.intensity), self.image_size))
 
     def __getitem__(self, index: int) -> torch.Tensor:
         if not self.skip_unreadable:
@@ -215,12 +219,15 @@ class ImageFolderDataModule(_ImageDataModule):
         image_size: side of the square crop, a multiple of the model's patch size.
         batch_size: global batch (split over processes); ``val_batch_size`` defaults to it.
         skip_unreadable: log and skip unreadable files (checked when loaded) instead of failing.
+        intensity: how pixel values become [0, 1] (:mod:`alibi_vit.images`): ``"auto"`` (default;
+            a 0.5–99.5 percentile stretch for single-channel images, ``dtype`` for colour ones),
+            ``"dtype"`` (integers divided by their type's maximum), ``"minmax"`` or ``"percentile"``.
     """
 
     def __init__(self, train_dir: str, val_dir: Optional[str] = None, val_fraction: float = 0.0,
                  image_size: int = 224, batch_size: int = 256, val_batch_size: Optional[int] = None,
                  num_workers: int = 8, shuffle: bool = True, seed: int = 0, skip_unreadable: bool = False,
-                 recursive: bool = True, pin_memory: bool = True):
+                 recursive: bool = True, pin_memory: bool = True, intensity: IntensityMode = "auto"):
         super().__init__(image_size, batch_size, val_batch_size, num_workers, shuffle, seed, pin_memory)
         if val_dir is not None and val_fraction:
             raise ValueError("give either val_dir or val_fraction, not both")
@@ -228,6 +235,7 @@ class ImageFolderDataModule(_ImageDataModule):
         self.val_fraction = float(val_fraction)
         self.skip_unreadable = bool(skip_unreadable)
         self.recursive = bool(recursive)
+        self.intensity = check_intensity(intensity)
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_set is not None:
@@ -237,8 +245,8 @@ class ImageFolderDataModule(_ImageDataModule):
             train, val = files, list_images(self.val_dir, recursive=self.recursive)
         else:
             train, val = _split(files, self.val_fraction, self.seed)
-        self.train_set = ImageFileDataset(train, self.image_size, self.skip_unreadable)
-        self.val_set = ImageFileDataset(val, self.image_size, self.skip_unreadable) if val else None
+        self.train_set = ImageFileDataset(train, self.image_size, self.skip_unreadable, self.intensity)
+        self.val_set = ImageFileDataset(val, self.image_size, self.skip_unreadable, self.intensity) if val else None
 
 
 COCO_LAYOUT = """expected COCO layout:
@@ -253,18 +261,23 @@ class CocoImagesDataModule(_ImageDataModule):
     With ``train_annotations``/``val_annotations`` (COCO JSON, relative to ``root`` or absolute)
     the image lists come from the annotation files via pycocotools, e.g. to train on exactly
     the images COCO-Stuff annotates; otherwise every image in the split folder is used.
+
+    ``intensity`` defaults to ``"dtype"``, not ``"auto"``: COCO holds 8-bit photos, and its
+    grayscale ones are read as ordinary photo loaders (PIL, torchvision) read them: divided by 255,
+    no stretch.
     """
 
     def __init__(self, root: str, train_split: str = "train2017", val_split: Optional[str] = "val2017",
                  train_annotations: Optional[str] = None, val_annotations: Optional[str] = None,
                  image_size: int = 224, batch_size: int = 256, val_batch_size: Optional[int] = None,
                  num_workers: int = 8, shuffle: bool = True, seed: int = 0, skip_unreadable: bool = False,
-                 pin_memory: bool = True):
+                 pin_memory: bool = True, intensity: IntensityMode = "dtype"):
         super().__init__(image_size, batch_size, val_batch_size, num_workers, shuffle, seed, pin_memory)
         self.root = Path(root)
         self.train_split, self.val_split = train_split, val_split
         self.train_annotations, self.val_annotations = train_annotations, val_annotations
         self.skip_unreadable = bool(skip_unreadable)
+        self.intensity = check_intensity(intensity)
 
     def _files(self, split: str, annotations: Optional[str]) -> list[Path]:
         folder = self.root / split
@@ -289,28 +302,30 @@ class CocoImagesDataModule(_ImageDataModule):
         if self.train_set is not None:
             return
         self.train_set = ImageFileDataset(self._files(self.train_split, self.train_annotations), self.image_size,
-                                          self.skip_unreadable)
+                                          self.skip_unreadable, self.intensity)
         if self.val_split is not None:
             self.val_set = ImageFileDataset(self._files(self.val_split, self.val_annotations), self.image_size,
-                                            self.skip_unreadable)
+                                            self.skip_unreadable, self.intensity)
 
 
 class BundledImagesDataModule(_ImageDataModule):
-    """Tiles of scikit-image's bundled images (textures, micrographs, photos): training data with no download.
+    """Tiles of scikit-image's bundled images (``alibi_vit.images.BUNDLED_SETS``): training data with no download.
 
     Each image gives ``tiles_per_image`` training and ``val_tiles_per_image`` validation
     squares of ``tile_size`` px (or the image's short side) at seeded positions, resized to
-    ``image_size``. For demos and tests, not for a real distillation.
+    ``image_size``. ``sets`` defaults to every bundled set; ``intensity`` as in
+    :class:`ImageFolderDataModule`. For demos and tests, not for a real distillation.
     """
 
-    def __init__(self, sets: Sequence[str] = ("textures", "micrographs", "photos"), image_size: int = 112,
+    def __init__(self, sets: Sequence[str] = tuple(BUNDLED_SETS), image_size: int = 112,
                  tile_size: int = 256, tiles_per_image: int = 8, val_tiles_per_image: int = 2,
                  batch_size: int = 8, val_batch_size: Optional[int] = None, num_workers: int = 0,
-                 shuffle: bool = True, seed: int = 0, pin_memory: bool = False):
+                 shuffle: bool = True, seed: int = 0, pin_memory: bool = False, intensity: IntensityMode = "auto"):
         super().__init__(image_size, batch_size, val_batch_size, num_workers, shuffle, seed, pin_memory)
         if tile_size <= 0 or tiles_per_image <= 0 or val_tiles_per_image < 0:
             raise ValueError("tile_size and tiles_per_image must be positive, val_tiles_per_image non-negative")
         self.sets = list(sets)
+        self.intensity = check_intensity(intensity)
         self.tile_size = int(tile_size)
         self.tiles_per_image = int(tiles_per_image)
         self.val_tiles_per_image = int(val_tiles_per_image)
@@ -319,7 +334,7 @@ class BundledImagesDataModule(_ImageDataModule):
         rng = np.random.default_rng(self.seed)
         train, val = [], []
         for name in self.sets:
-            for _, image in bundled_images(name):
+            for _, image in bundled_images(name, self.intensity):
                 h, w = image.shape[-2:]
                 t = min(self.tile_size, h, w)
                 for i in range(self.tiles_per_image + self.val_tiles_per_image):

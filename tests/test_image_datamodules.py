@@ -48,19 +48,40 @@ def fake_trainer(world_size=1, rank=0):
 
 # -- reading formats ------------------------------------------------------------------------------
 
-def test_16bit_grayscale_tiff_is_scaled_by_its_full_range(tmp_path):
+def test_16bit_grayscale_tiff_in_each_intensity_mode(tmp_path):
     folder = tmp_path / "tif"
     folder.mkdir()
     arr = np.zeros((28, 28), dtype=np.uint16)
-    arr[:, :14] = 30000          # well above 255: an 8-bit reading would saturate
-    arr[:, 14:] = 65535
+    arr[:, :14] = 3000           # well above 255: an 8-bit reading would saturate
+    arr[:, 14:] = 4000           # a 12-bit camera: divided by 65535 both halves are near-black
     tifffile.imwrite(folder / "micro.tif", arr)
-    dm = ImageFolderDataModule(str(folder), image_size=28, batch_size=1, num_workers=0)
+    expected = {"dtype": (3000 / 65535, 4000 / 65535), "minmax": (0.0, 1.0), "percentile": (0.0, 1.0),
+                "auto": (0.0, 1.0)}
+    for mode, (left, right) in expected.items():
+        dm = ImageFolderDataModule(str(folder), image_size=28, batch_size=1, num_workers=0, intensity=mode)
+        dm.setup("fit")
+        x = denormalize(dm.train_set[0])
+        assert x.shape == (3, 28, 28)
+        torch.testing.assert_close(x[:, :, :14], torch.full((3, 28, 14), left), atol=1e-5, rtol=0)
+        torch.testing.assert_close(x[:, :, 14:], torch.full((3, 28, 14), right), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="unknown intensity mode 'gamma'"):
+        ImageFolderDataModule(str(folder), batch_size=1, intensity="gamma")
+
+
+def test_coco_reads_grayscale_photos_as_the_reference_does(tmp_path):
+    root = tmp_path / "coco"
+    (root / "train2017").mkdir(parents=True)
+    gray = np.full((28, 28), 60, dtype=np.uint8)
+    gray[:, 14:] = 90
+    Image.fromarray(gray).save(root / "train2017" / "gray.jpg", quality=100)
+    dm = CocoImagesDataModule(str(root), val_split=None, image_size=28, batch_size=1, num_workers=0)
     dm.setup("fit")
-    x = denormalize(dm.train_set[0])
-    assert x.shape == (3, 28, 28)
-    torch.testing.assert_close(x[:, :, :14], torch.full((3, 28, 14), 30000 / 65535), atol=1e-5, rtol=0)
-    torch.testing.assert_close(x[:, :, 14:], torch.ones(3, 28, 14), atol=1e-5, rtol=0)
+    x = denormalize(dm.train_set[0])  # default "dtype": 60/255 and 90/255, no stretch
+    assert abs(float(x[:, :, :10].mean()) - 60 / 255) < 2 / 255 and abs(float(x[:, :, 18:].mean()) - 90 / 255) < 2 / 255
+    dm = CocoImagesDataModule(str(root), val_split=None, image_size=28, batch_size=1, num_workers=0,
+                              intensity="minmax")
+    dm.setup("fit")
+    assert float(denormalize(dm.train_set[0]).max()) == pytest.approx(1.0, abs=1e-5)
 
 
 def test_png_jpeg_rgba_and_grayscale_become_three_channels(tmp_path):
@@ -72,7 +93,7 @@ def test_png_jpeg_rgba_and_grayscale_become_three_channels(tmp_path):
     rgba[..., 0], rgba[..., 3] = 255, 7   # red, nearly transparent: alpha must be dropped, not blended
     Image.fromarray(rgba, mode="RGBA").save(folder / "c_rgba.png")
     Image.fromarray(np.full((28, 28, 3), 50, dtype=np.uint8)).save(folder / "d.jpg", quality=95)
-    dm = ImageFolderDataModule(str(folder), image_size=28, batch_size=1, num_workers=0)
+    dm = ImageFolderDataModule(str(folder), image_size=28, batch_size=1, num_workers=0, intensity="dtype")
     dm.setup("fit")
     samples = [denormalize(dm.train_set[i]) for i in range(4)]
     assert all(s.shape == (3, 28, 28) for s in samples)
@@ -258,3 +279,18 @@ def test_bundled_tiles_are_deterministic_and_normalised():
     pixels = denormalize(a.train_set.images)
     assert pixels.min() >= -1e-5 and pixels.max() <= 1 + 1e-5
     assert not torch.equal(a.train_set.images[0], a.train_set.images[1])  # different tiles
+
+
+def test_bundled_tiles_follow_the_intensity_mode():
+    def tiles(intensity):
+        dm = BundledImagesDataModule(sets=["retina"], image_size=28, tile_size=102, tiles_per_image=1,
+                                     val_tiles_per_image=0, batch_size=1, seed=0, intensity=intensity)
+        dm.setup("fit")
+        return denormalize(dm.train_set.images)
+
+    # microaneurysms (grey levels 38..129, its whole 102 px image is the tile) is stretched by default;
+    # the colour retina photograph keeps its 8-bit values either way.
+    auto, dtype = tiles("auto"), tiles("dtype")
+    assert float(auto[0].max()) > 0.99 and float(dtype[0].max()) < 130 / 255 + 1e-3
+    torch.testing.assert_close(auto[1], dtype[1])
+    assert BundledImagesDataModule(batch_size=1).sets == ["textures", "photos", "microscopy", "retina", "astronomy"]
