@@ -1,14 +1,71 @@
 """ViTs without positional bias: DINOv2 with a 2D wrapped ALiBi attention bias (ALiBi-Dv2).
 
 Importing this package registers the timm models ``alibi_vit_*_patch14_reg4_dinov2`` and
-``nope_vit_*_patch14_reg4_dinov2``.
+``nope_vit_*_patch14_reg4_dinov2``: at once if timm is already imported, otherwise as soon as
+timm is (``timm.create_model`` needs ``import timm`` anyway). Everything else loads on first
+use, so ``import alibi_vit`` and the ``alibi-vit`` command's help do not pay for PyTorch, timm
+or scikit-learn.
 """
 
-from . import images, models, probe  # noqa: F401  (models registers the timm models)
-from .checkpoint import create_backbone, load_state_dict_file, load_weights
-from .features import grid_size_of, patch_features
-from .models import MODEL_NAMES
-from .vision_transformer import AlibiVisionTransformer, convert_to_alibi, convert_to_nope
+import importlib
+import importlib.abc
+import importlib.util
+import sys
 
-__all__ = ["MODEL_NAMES", "AlibiVisionTransformer", "convert_to_alibi", "convert_to_nope", "create_backbone",
-           "grid_size_of", "load_state_dict_file", "load_weights", "patch_features"]
+__all__ = ["MODEL_NAMES", "AlibiVisionTransformer", "check_model_name", "checkpoint_metadata", "convert_to_alibi",
+           "convert_to_nope", "create_backbone", "grid_size_of", "load_state_dict_file", "load_weights",
+           "patch_features"]
+
+# Public names and the submodule that defines each (PEP 562: imported when first used).
+_ATTRIBUTES = {
+    "MODEL_NAMES": "models",
+    "AlibiVisionTransformer": "vision_transformer", "convert_to_alibi": "vision_transformer",
+    "convert_to_nope": "vision_transformer",
+    "check_model_name": "checkpoint", "checkpoint_metadata": "checkpoint", "create_backbone": "checkpoint",
+    "load_state_dict_file": "checkpoint", "load_weights": "checkpoint",
+    "grid_size_of": "features", "patch_features": "features",
+}
+
+
+def __getattr__(name):
+    if name in _ATTRIBUTES:
+        return getattr(importlib.import_module(f".{_ATTRIBUTES[name]}", __name__), name)
+    # ``alibi_vit.probe.positional_r2`` after a bare ``import alibi_vit``: submodules load on first use.
+    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_ATTRIBUTES))
+
+
+class _RegisterModelsAfterTimm(importlib.abc.MetaPathFinder):
+    """Imports ``alibi_vit.models`` (which registers the models) right after timm's first import.
+
+    It only finds timm's spec through the other finders and extends that spec's loader, once.
+    """
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "timm":
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("timm")  # the ordinary finders, now without this one
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader, exec_module = spec.loader, spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            del loader.exec_module  # back to the loader's own method
+            importlib.import_module(f"{__name__}.models")
+
+        loader.exec_module = exec_then_register
+        return spec
+
+
+if "timm" in sys.modules:
+    from . import models  # noqa: F401  (registers the timm models)
+elif not any(type(finder).__name__ == "_RegisterModelsAfterTimm" for finder in sys.meta_path):  # once, even on reload
+    sys.meta_path.insert(0, _RegisterModelsAfterTimm())

@@ -1,7 +1,17 @@
-"""Building backbones by name and loading plain timm state_dicts strictly."""
+"""Building backbones by name and loading plain timm state_dicts strictly.
+
+An exported student (``alibi-vit export`` → ``.safetensors``) records the architecture it was
+trained with (``model_kwargs``/``student_kwargs`` in the file's metadata); ``create_backbone``
+reads them, so a checkpoint of a non-default architecture loads without ``--model-arg``.
+"""
 
 from __future__ import annotations
 
+import difflib
+import json
+import pickle
+import re
+import warnings
 from pathlib import Path
 
 import timm
@@ -10,10 +20,24 @@ import torch.nn as nn
 
 from .models import MODEL_NAMES
 
-__all__ = ["create_backbone", "load_state_dict_file", "load_weights"]
+__all__ = ["check_model_name", "checkpoint_metadata", "create_backbone", "load_state_dict_file", "load_weights"]
 
 # Wrappers other tools put around a state_dict: Lightning ('state_dict'), DDP ('module.').
 _NESTING_KEYS = ("state_dict", "model")
+# How many keys of each kind a mismatch report names (the full lists can run to thousands of characters).
+_SHOWN_KEYS = 5
+
+
+def _load_error(err: Exception) -> str:
+    """Why torch.load failed, in our words: torch's own text advises ``weights_only=False``, which
+    would run arbitrary pickled code, so it is never passed on."""
+    text = str(err)
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    if found or "can still be loaded" in text:
+        what = f" (e.g. {found.group(1)})" if found else ""
+        return (f"it holds pickled Python objects besides tensors{what}; only plain state_dicts and Lightning "
+                "checkpoints are read, without running pickled code")
+    return f"the file is corrupted, truncated or not a PyTorch checkpoint ({type(err).__name__})"
 
 
 def load_state_dict_file(path) -> dict[str, torch.Tensor]:
@@ -21,15 +45,18 @@ def load_state_dict_file(path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
 
+        try:
             state = load_file(str(path))
-        else:
+        except Exception as err:  # SafetensorError and OSError: the message is short and to the point
+            raise ValueError(f"cannot read checkpoint {path}: not a valid safetensors file ({err})") from None
+    else:
+        try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise ValueError(f"cannot read checkpoint {path}: {type(err).__name__}: {err}") from err
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError) as err:
+            raise ValueError(f"cannot read checkpoint {path}: {_load_error(err)}") from None
     for key in _NESTING_KEYS:
         if isinstance(state, dict) and key in state and isinstance(state[key], dict):
             state = state[key]
@@ -40,20 +67,75 @@ def load_state_dict_file(path) -> dict[str, torch.Tensor]:
     return state
 
 
+def checkpoint_metadata(path) -> dict:
+    """The architecture an exported checkpoint records: ``{"model": name, "model_kwargs": {...}}``.
+
+    ``model_kwargs`` merges the export's ``model_kwargs`` and ``student_kwargs`` (how the student
+    was built). Files without such metadata (``.pth``, plain timm files) give ``{}``.
+    """
+    path = Path(path)
+    if path.suffix != ".safetensors" or not path.is_file():
+        return {}
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception:  # unreadable: load_state_dict_file reports it with a proper message
+        return {}
+    kwargs = {}
+    for key in ("model_kwargs", "student_kwargs"):
+        if meta.get(key):
+            try:
+                value = json.loads(meta[key])
+            except json.JSONDecodeError:
+                raise ValueError(f"checkpoint {path}: its metadata {key!r} is not JSON: {meta[key]!r}") from None
+            kwargs.update(value or {})
+    out = {"model_kwargs": kwargs} if kwargs else {}
+    if meta.get("model") and meta["model"] != "None":
+        out["model"] = meta["model"]
+    return out
+
+
+def _first(keys, n: int = _SHOWN_KEYS) -> str:
+    shown = ", ".join(keys[:n])
+    return shown + (f", … ({len(keys) - n} more)" if len(keys) > n else "")
+
+
 def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str = "state_dict") -> None:
-    """Load strictly; a key or shape mismatch is a ValueError that lists every offending key."""
+    """Load strictly; a key or shape mismatch is a ValueError that counts each kind and names the first keys."""
     own = model.state_dict()
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
     shapes = sorted(f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(own[k].shape)}"
                     for k in set(own) & set(state_dict) if own[k].shape != state_dict[k].shape)
     if missing or unexpected or shapes:
-        lines = [f"{source} does not match {type(model).__name__}:"]
-        for title, keys in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", shapes)):
+        lines = [f"{source} does not match {type(model).__name__} ({len(own)} tensors; checkpoint "
+                 f"{len(state_dict)}):"]
+        for title, keys, n in (("missing keys", missing, _SHOWN_KEYS), ("unexpected keys", unexpected, _SHOWN_KEYS),
+                               ("shape mismatches", shapes, 3)):
             if keys:
-                lines.append(f"  {title} ({len(keys)}): " + ", ".join(keys))
+                lines.append(f"  {title} ({len(keys)}): {_first(keys, n)}")
+        students = {k[len("student."):] for k in unexpected if k.startswith("student.")}
+        if students and set(missing) <= students:
+            lines.append("  it holds a distillation run (keys student.*): export the student first, "
+                         "with alibi-vit export --checkpoint CKPT --out student.safetensors")
+        elif missing or shapes:
+            lines.append("  a different architecture? build the model with the checkpoint's own arguments "
+                         "(alibi-vit: --model-arg KEY=VALUE, e.g. depth=2)")
         raise ValueError("\n".join(lines))
     model.load_state_dict(state_dict, strict=True)
+
+
+def check_model_name(name: str) -> None:
+    """A ValueError naming close matches (timm's models and this project's) when timm does not know ``name``."""
+    if timm.is_model(name):
+        return
+    close = difflib.get_close_matches(name, sorted(set(timm.list_models()) | set(MODEL_NAMES)), n=4, cutoff=0.6)
+    hint = (f"did you mean {', '.join(close)}?" if close else
+            f"this project's are {MODEL_NAMES[0]} and its base/large/giant and nope_vit_* twins; "
+            "timm.list_models('*dinov2*') lists timm's")
+    raise ValueError(f"unknown model {name!r}; {hint}")
 
 
 def create_backbone(name: str, *, pretrained: bool = False, checkpoint=None, **model_kwargs) -> nn.Module:
@@ -62,12 +144,37 @@ def create_backbone(name: str, *, pretrained: bool = False, checkpoint=None, **m
     Plain timm ViTs (the DINOv2 teacher, say) get ``dynamic_img_size=True`` so that, like the
     ALiBi models, they take any image size that is a multiple of the patch size (their
     position embedding is interpolated; that is what DINOv2 does). ``checkpoint`` is a plain
-    timm state_dict file loaded strictly after the model is built.
+    timm state_dict file loaded strictly after the model is built; when it records the
+    architecture it was exported with (see :func:`checkpoint_metadata`), those kwargs are used,
+    and ``model_kwargs`` given here override them with a warning where they disagree.
+    Unknown names and arguments the model does not take are ValueErrors.
     """
+    check_model_name(name)
+    from_file = {}
+    if checkpoint is not None:
+        meta = checkpoint_metadata(checkpoint)
+        recorded = meta.get("model_kwargs", {})
+        conflicts = {k: (recorded[k], v) for k, v in model_kwargs.items() if k in recorded and recorded[k] != v}
+        if conflicts:
+            warnings.warn(f"checkpoint {checkpoint} was exported with "
+                          + ", ".join(f"{k}={old!r}" for k, (old, _) in conflicts.items())
+                          + "; using the given " + ", ".join(f"{k}={new!r}" for k, (_, new) in conflicts.items()),
+                          stacklevel=2)
+        if meta.get("model") and meta["model"] != name:
+            warnings.warn(f"checkpoint {checkpoint} holds a {meta['model']}; building {name}", stacklevel=2)
+        from_file = {k: v for k, v in recorded.items() if k not in model_kwargs}
+        model_kwargs = {**recorded, **model_kwargs}
+    given = ", ".join(f"{k}={v!r}" for k, v in model_kwargs.items())
     if name not in MODEL_NAMES:
         model_kwargs.setdefault("dynamic_img_size", True)
     model_kwargs.setdefault("num_classes", 0)
-    model = timm.create_model(name, pretrained=pretrained, **model_kwargs)
+    try:
+        model = timm.create_model(name, pretrained=pretrained, **model_kwargs)
+    except (TypeError, ValueError, AssertionError, ArithmeticError, RuntimeError) as err:
+        # an argument the architecture does not take, or a value it cannot use (patch_size=0, embed_dim=-1)
+        source = f" ({', '.join(from_file)} from the checkpoint's metadata)" if from_file else ""
+        raise ValueError(f"cannot build {name} with {given or 'its defaults'}{source}: "
+                         f"{err or type(err).__name__}") from err
     if checkpoint is not None:
         load_weights(model, load_state_dict_file(checkpoint), source=f"checkpoint {checkpoint}")
     return model

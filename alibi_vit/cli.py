@@ -1,8 +1,12 @@
 """The ``alibi-vit`` command: one entry point, one subcommand per tool.
 
 Each subcommand lives in its own module that exposes ``add_arguments(parser)`` and
-``run(args) -> int``; they are imported only when chosen, so ``alibi-vit probe`` never pays for
-Lightning or the segmentation code.
+``run(args) -> int``; it is imported only when chosen, so ``alibi-vit probe`` never pays for
+Lightning or the segmentation code, and ``alibi-vit --help`` imports none of them.
+
+Errors in what the user gave (a ``ValueError``, a missing or unreadable file) are printed as
+``alibi-vit COMMAND: error: ...`` with exit status 2, warnings as ``alibi-vit COMMAND: warning: ...``;
+only unexpected failures (bugs) show a traceback.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 SUBCOMMANDS = {
     "probe": ("alibi_vit.probe_cli", "positional-bias linear probe: R² of position from patch features"),
@@ -17,6 +22,10 @@ SUBCOMMANDS = {
     "robustness": ("lit_modules.robustness", "segmentation probe under flip, roll and rot90 (paper Tab. S3)"),
     "export": ("lit_modules.export", "export a distilled student from a Lightning checkpoint as a timm state_dict"),
 }
+
+# Longer messages are cut (the useful part of an error comes first): lines, and characters per line.
+_MAX_LINES = 12
+_MAX_LINE = 400
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,20 +37,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def format_error(err: BaseException) -> str:
+    """The message of ``err`` for a terminal: its text (or its type if empty), at most ``_MAX_LINES`` lines
+    of at most ``_MAX_LINE`` characters (a library's list of every missing key can run to 10 KB)."""
+    if isinstance(err, OSError) and err.strerror and err.filename is not None:
+        text = f"{err.filename}: {err.strerror}"  # e.g. PermissionError on --out, without errno noise
+    else:
+        text = str(err).strip() or type(err).__name__
+        if isinstance(err, KeyError):  # str(KeyError) is the quoted key
+            text = f"{type(err).__name__}: {text}"
+    lines = [line if len(line) <= _MAX_LINE else line[:_MAX_LINE] + f"… ({len(line) - _MAX_LINE} more characters)"
+             for line in text.splitlines()]
+    if len(lines) > _MAX_LINES:
+        lines = lines[:_MAX_LINES] + [f"… ({len(lines) - _MAX_LINES} more lines)"]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     # Parse the subcommand first, then let its module add its own options.
     known, _ = parser.parse_known_args(argv[:1] if argv else argv)
+    prog = f"alibi-vit {known.command}"
     module = importlib.import_module(known._module)
-    sub = argparse.ArgumentParser(prog=f"alibi-vit {known.command}", description=SUBCOMMANDS[known.command][1])
+    sub = argparse.ArgumentParser(prog=prog, description=SUBCOMMANDS[known.command][1])
     module.add_arguments(sub)
     args = sub.parse_args(argv[1:])
-    try:
-        return int(module.run(args) or 0)
-    except (FileNotFoundError, ValueError) as err:  # bad input: a message, not a traceback
-        print(f"alibi-vit {known.command}: error: {err}", file=sys.stderr)
-        return 2
+
+    def show_warning(message, category, filename, lineno, file=None, line=None):
+        print(f"{prog}: warning: {message}", file=sys.stderr if file is None else file)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show_warning  # one line per warning, not the source line that raised it
+        try:
+            return int(module.run(args) or 0)
+        except (OSError, ValueError) as err:  # bad input (FileNotFoundError is an OSError): a message
+            print(f"{prog}: error: {format_error(err)}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print(f"{prog}: interrupted", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ import torch
 
 from .images import BUNDLED_SETS, load_image_set
 
-__all__ = ["add_image_arguments", "add_model_arguments", "build_models", "images_from_args"]
+__all__ = ["add_image_arguments", "add_model_arguments", "build_models", "check_image_size", "images_from_args",
+           "weights_of"]
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,28 +24,39 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timm's pretrained weights (DINOv2's, from the hub or its cache) for models "
                              "without --checkpoint; without either a model is randomly initialised")
     parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="architecture override passed to timm for every model, e.g. depth=2")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+                        help="architecture override passed to timm for every model, e.g. depth=2; a checkpoint "
+                             "exported by 'alibi-vit export' brings its own, which these override")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
 
 
 def add_image_arguments(parser: argparse.ArgumentParser, default_size: int) -> None:
-    parser.add_argument("--images", required=True, metavar="DIR|SET|noise",
-                        help=f"a folder of images, a bundled set ({', '.join(BUNDLED_SETS)}) or 'noise'")
+    from .images import INTENSITY_MODES, PERCENTILES
+
+    parser.add_argument("--images", required=True, metavar="DIR|FILE|SET|noise",
+                        help=f"a folder of images (searched recursively), one image file, a bundled set "
+                             f"({', '.join(BUNDLED_SETS)}) or 'noise'")
     parser.add_argument("--noise-count", type=int, default=8, help="number of images for --images noise")
     parser.add_argument("--size", type=int, default=default_size,
                         help="images are resized and centre-cropped to SIZE px")
+    parser.add_argument("--intensity", choices=INTENSITY_MODES, default="auto",
+                        help="how pixel values become [0, 1]: 'dtype' divides integers by their type's maximum "
+                             "(255, 65535); 'minmax' maps the image's min/max to 0/1; 'percentile' maps its "
+                             f"{PERCENTILES[0]:g}th/{PERCENTILES[1]:g}th percentiles to 0/1 and clips; 'auto' "
+                             "(default): percentile for single-channel images, dtype for colour ones")
 
 
 def images_from_args(args) -> list[tuple[str, torch.Tensor]]:
-    return load_image_set(args.images, args.size, noise_count=args.noise_count, seed=getattr(args, "seed", 0))
+    return load_image_set(args.images, args.size, noise_count=args.noise_count, seed=getattr(args, "seed", 0),
+                          intensity=getattr(args, "intensity", "auto"))
 
 
 def _model_kwargs(items):
     kwargs = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--model-arg expects KEY=VALUE, got {item!r}")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise ValueError(f"--model-arg expects KEY=VALUE with KEY a keyword argument name, got {item!r}")
         try:
             kwargs[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
@@ -66,17 +78,43 @@ def _checkpoints(items, models):
     return found
 
 
-def build_models(args):
-    """Yield (name, model in eval mode on args.device) one at a time, so only one is in memory."""
-    from .checkpoint import create_backbone
+def weights_of(args) -> dict[str, str]:
+    """Where each model's weights come from: its checkpoint path, 'pretrained' or 'random init'."""
+    checkpoints = _checkpoints(args.checkpoint, args.models)
+    return {name: str(checkpoints[name]) if name in checkpoints else "pretrained" if args.pretrained else "random init"
+            for name in args.models}
 
+
+def check_image_size(size: int, model=None) -> None:
+    """``size`` must be positive and, given a model, a multiple of its patch size: a clear error otherwise."""
+    if size < 1:
+        raise ValueError(f"--size must be a positive number of pixels, got {size}")
+    if model is not None:
+        ph, pw = model.patch_embed.patch_size
+        if size % ph or size % pw:
+            lower, upper = max(size // ph, 1) * ph, (size // ph + 1) * ph
+            raise ValueError(f"--size {size} is not a multiple of the patch size {ph} px; use e.g. {lower} or {upper}")
+
+
+def build_models(args):
+    """Yield (name, model in eval mode on args.device) one at a time, so only one is in memory.
+
+    A model without --checkpoint or --pretrained is randomly initialised: a note says so.
+    """
+    from .checkpoint import check_model_name, create_backbone
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model_kwargs = _model_kwargs(args.model_arg)
     checkpoints = _checkpoints(args.checkpoint, args.models)
+    for name in args.models:  # every name checked before the first model is built
+        check_model_name(name)
     for name in args.models:
         checkpoint = checkpoints.get(name)
+        model = create_backbone(name, pretrained=args.pretrained and checkpoint is None, checkpoint=checkpoint,
+                                **model_kwargs)
+        if hasattr(args, "size"):
+            check_image_size(args.size, model)
         if checkpoint is None and not args.pretrained:
             print(f"note: {name} is randomly initialised (give --pretrained or --checkpoint for real features)",
                   file=sys.stderr)
-        model = create_backbone(name, pretrained=args.pretrained and checkpoint is None, checkpoint=checkpoint,
-                                **model_kwargs)
-        yield name, model.to(args.device).eval()
+        yield name, model.to(device).eval()

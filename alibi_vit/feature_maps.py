@@ -5,10 +5,16 @@ For each image and each backbone, the (C, h, w) patch features become four panel
 - ``PCA``: the first three principal components of the (centred) features, as RGB;
 - ``PCA std``: the same after standardising every channel (a few high-variance channels,
   e.g. DINOv2's positional ones, no longer dominate);
-- ``k-means``: KMeans (scikit-learn, several initialisations) on standardised features, clusters
-  coloured by size (largest first) so panels of different backbones are comparable;
+- ``k-means``: KMeans (scikit-learn, 15 initialisations as in the paper) on standardised
+  features, clusters coloured by size (largest first) so panels of different backbones are comparable;
 - ``similarity``: cosine similarity of every patch to the query patch, 0 → dark, 1 → bright
-  (negative values clip to 0), query marked with a cross.
+  (negative values clip to 0; a colour bar at the right of the row), query marked with a
+  white-edged red cross.
+
+The PCA is fitted per model, either on each image alone (``--pca per-image``) or once on the
+patches of all images together (``--pca joint``, the command's default, as in the paper's
+Fig. S13): then a colour means the same feature direction in every image of that model. Models
+are never mixed: each has its own feature space.
 
 Positional bias shows up as colour ramps in the PCA panels, clusters that follow image
 position instead of content, and similarity maps that decay with distance from the query.
@@ -17,7 +23,7 @@ Command::
 
     alibi-vit show --models vit_small_patch14_reg4_dinov2 alibi_vit_small_patch14_reg4_dinov2 \\
         --checkpoint alibi_vit_small_patch14_reg4_dinov2=alibi_dv2_s14.pth \\
-        --images textures --out figures/ --size 448 --k 4
+        --images textures --out figures/ --size 448 --k 4 --pca joint
 
 ``feature_map_grid`` returns the same figure as a (3, H, W) tensor for TensorBoard's ``add_image``.
 """
@@ -37,13 +43,15 @@ from .cli_options import add_image_arguments, add_model_arguments, build_models,
 from .images import normalize
 
 __all__ = [
-    "COLUMNS", "LABEL_HEIGHT", "PAD", "cosine_similarity_map", "feature_map_grid", "feature_panels", "grid_shape",
-    "kmeans_labels", "pca_rgb", "shared_pca_rgb", "add_arguments", "run",
+    "COLORBAR_WIDTH", "COLUMNS", "LABEL_HEIGHT", "PAD", "PCAColouring", "cosine_similarity_map", "feature_map_grid",
+    "feature_panels", "grid_shape", "kmeans_labels", "pca_rgb", "shared_pca_rgb", "add_arguments", "run",
 ]
 
 COLUMNS = ("image", "PCA", "PCA std", "k-means", "similarity")
 PAD = 4  # px between panels and around the figure
 LABEL_HEIGHT = 16  # px of the text strip above the header and above every model's row
+COLORBAR_WIDTH = 24  # px right of the similarity column: an 8 px colour bar and its 0/1 labels
+N_INIT = 15  # k-means initialisations (the paper's)
 
 # Categorical colours for k-means clusters (Tableau 10), extended by evenly spaced hues for k > 10.
 _TAB10 = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
@@ -69,25 +77,54 @@ def _standardise(x: np.ndarray) -> np.ndarray:
     return StandardScaler().fit_transform(x)
 
 
+class PCAColouring:
+    """First three principal components as RGB, fitted on the patches of one or more images.
+
+    Fitted on several images of one model (a list of (C, h, w) features), the same colour means
+    the same feature direction in all of them. Each component is stretched between its 1st and
+    99th percentile over the fitted patches (robust to a few extreme patches); component signs
+    are arbitrary, as always with PCA. ``standardise`` scales every channel to unit variance
+    first (over the same patches).
+    """
+
+    def __init__(self, features, standardise: bool = False):
+        from sklearn.decomposition import PCA
+        from sklearn.preprocessing import StandardScaler
+
+        feats = [features] if isinstance(features, torch.Tensor) else list(features)
+        if not feats:
+            raise ValueError("PCAColouring needs the features of at least one image")
+        x = np.concatenate([_as_matrix(f) for f in feats])
+        self.scaler = StandardScaler().fit(x) if standardise else None
+        if self.scaler is not None:
+            x = self.scaler.transform(x)
+        self.pca = PCA(n_components=min(3, x.shape[0], x.shape[1]), random_state=0).fit(x)
+        comps = self._project(x)
+        self.lo, self.hi = np.percentile(comps, 1, axis=0), np.percentile(comps, 99, axis=0)
+
+    def _project(self, x: np.ndarray) -> np.ndarray:
+        comps = self.pca.transform(x)
+        if comps.shape[1] < 3:
+            comps = np.concatenate([comps, np.zeros((comps.shape[0], 3 - comps.shape[1]))], axis=1)
+        return comps
+
+    def __call__(self, features: torch.Tensor) -> torch.Tensor:
+        """(C, h, w) features → (3, h, w) colours in [0, 1]."""
+        _, h, w = features.shape
+        x = _as_matrix(features)
+        if self.scaler is not None:
+            x = self.scaler.transform(x)
+        comps = self._project(x)
+        rgb = np.clip((comps - self.lo) / np.where(self.hi > self.lo, self.hi - self.lo, 1.0), 0.0, 1.0)
+        return torch.from_numpy(rgb.T.reshape(3, h, w)).float()
+
+
 def pca_rgb(features: torch.Tensor, standardise: bool = False) -> torch.Tensor:
     """First three principal components of one image's patch features as a (3, h, w) image in [0, 1].
 
-    Each component is stretched between its 1st and 99th percentile (robust to a few extreme
-    patches). Component signs are arbitrary, as always with PCA.
+    The PCA is fitted on this image alone; see :class:`PCAColouring` for one fit over several.
     """
-    from sklearn.decomposition import PCA
-
-    _, h, w = features.shape
-    x = _as_matrix(features)
-    if standardise:
-        x = _standardise(x)
-    n = min(3, x.shape[0], x.shape[1])
-    comps = PCA(n_components=n, random_state=0).fit_transform(x)
-    if n < 3:
-        comps = np.concatenate([comps, np.zeros((comps.shape[0], 3 - n))], axis=1)
-    lo, hi = np.percentile(comps, 1, axis=0), np.percentile(comps, 99, axis=0)
-    rgb = np.clip((comps - lo) / np.where(hi > lo, hi - lo, 1.0), 0.0, 1.0)
-    return torch.from_numpy(rgb.T.reshape(3, h, w)).float()
+    return PCAColouring(features, standardise=standardise)(features)
 
 
 def shared_pca_rgb(features: torch.Tensor) -> torch.Tensor:
@@ -110,7 +147,7 @@ def shared_pca_rgb(features: torch.Tensor) -> torch.Tensor:
     return rgb.reshape(B, h, w, 3).permute(0, 3, 1, 2).clamp(0.0, 1.0)
 
 
-def kmeans_labels(features: torch.Tensor, k: int = 4, n_init: int = 5, seed: int = 0) -> torch.Tensor:
+def kmeans_labels(features: torch.Tensor, k: int = 4, n_init: int = N_INIT, seed: int = 0) -> torch.Tensor:
     """KMeans on standardised patch features → (h, w) cluster ids, 0 = the largest cluster."""
     from sklearn.cluster import KMeans
 
@@ -164,21 +201,39 @@ def _upsample(panel: torch.Tensor, size) -> torch.Tensor:
     return F.interpolate(panel[None], size=tuple(size), mode="nearest")[0]
 
 
-def _mark(panel: torch.Tensor, y: int, x: int, radius: int = 4) -> torch.Tensor:
-    """Red cross centred at pixel (y, x)."""
+def _mark(panel: torch.Tensor, y: int, x: int, radius=None) -> torch.Tensor:
+    """Red cross with a white edge centred at pixel (y, x), visible on dark and bright panels alike.
+
+    ``radius`` (px) defaults to 1/20 of the shorter side, at least 4.
+    """
     panel = panel.clone()
     h, w = panel.shape[-2:]
-    red = torch.tensor([1.0, 0.1, 0.1]).view(3, 1)
-    panel[:, y, max(x - radius, 0):min(x + radius + 1, w)] = red
-    panel[:, max(y - radius, 0):min(y + radius + 1, h), x] = red
+    r = max(4, min(h, w) // 20) if radius is None else int(radius)
+
+    def cross(half_width, colour):
+        colour = torch.tensor(colour).view(3, 1, 1)
+        rows, cols = slice(max(y - r, 0), y + r + 1), slice(max(x - r, 0), x + r + 1)
+        panel[:, max(y - half_width, 0):y + half_width + 1, cols] = colour
+        panel[:, rows, max(x - half_width, 0):x + half_width + 1] = colour
+
+    cross(2, (1.0, 1.0, 1.0))
+    cross(1 if r >= 6 else 0, (1.0, 0.1, 0.1))
     return panel
 
 
+def _colour_bar(height: int, width: int = 8) -> torch.Tensor:
+    """(3, height, width) viridis gradient, 1 at the top to 0 at the bottom: the similarity panels' scale."""
+    values = torch.linspace(1.0, 0.0, height).view(height, 1).expand(height, width)
+    return _viridis(values)
+
+
 def feature_panels(features: torch.Tensor, image: torch.Tensor, k: int = 4, query=None,
-                   patch_size=(14, 14), n_init: int = 5) -> dict[str, torch.Tensor]:
+                   patch_size=(14, 14), n_init: int = N_INIT, pca=None, pca_std=None) -> dict[str, torch.Tensor]:
     """The five panels of ``COLUMNS`` for one image (3, H, W) in [0, 1] and its (C, h, w) features.
 
     ``query`` = (y, x) in image pixels (default: the centre); every panel is (3, H, W) in [0, 1].
+    ``pca``/``pca_std`` are fitted :class:`PCAColouring` s (e.g. over all images of this model);
+    by default a PCA is fitted on this image alone.
     """
     H, W = image.shape[-2:]
     _, h, w = features.shape
@@ -189,8 +244,9 @@ def feature_panels(features: torch.Tensor, image: torch.Tensor, k: int = 4, quer
     similarity = cosine_similarity_map(features, (min(qy // ph, h - 1), min(qx // pw, w - 1)))
     panels = {
         "image": _mark(image.float().clamp(0, 1), qy, qx),
-        "PCA": _upsample(pca_rgb(features), (H, W)),
-        "PCA std": _upsample(pca_rgb(features, standardise=True), (H, W)),
+        "PCA": _upsample(pca(features) if pca is not None else pca_rgb(features), (H, W)),
+        "PCA std": _upsample(pca_std(features) if pca_std is not None else pca_rgb(features, standardise=True),
+                             (H, W)),
         "k-means": _upsample(_colour_labels(kmeans_labels(features, k, n_init=n_init), k), (H, W)),
         "similarity": _mark(_upsample(_viridis(similarity), (H, W)), qy, qx),
     }
@@ -201,10 +257,11 @@ def grid_shape(n_models: int, panel_size, n_columns: int = len(COLUMNS)) -> tupl
     """(height, width) in px of the figure ``feature_map_grid`` draws.
 
     Layout: a header strip (LABEL_HEIGHT) with the column titles, then per model a strip with
-    its name (LABEL_HEIGHT) over a row of panels; PAD px between and around everything.
+    its name (LABEL_HEIGHT) over a row of panels followed by the similarity colour bar
+    (COLORBAR_WIDTH); PAD px between and around everything.
     """
     ph, pw = panel_size
-    width = PAD + n_columns * (pw + PAD)
+    width = PAD + n_columns * (pw + PAD) + COLORBAR_WIDTH
     height = LABEL_HEIGHT + n_models * (LABEL_HEIGHT + ph + PAD) + PAD
     return height, width
 
@@ -224,12 +281,15 @@ def _draw_text(canvas: torch.Tensor, texts: list[tuple[int, int, str]]) -> torch
     return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).float() / 255.0
 
 
-def feature_map_grid(models: dict, image: torch.Tensor, k: int = 4, query=None, n_init: int = 5,
-                     labels: bool = True) -> torch.Tensor:
+def feature_map_grid(models: dict, image: torch.Tensor, k: int = 4, query=None, n_init: int = N_INIT,
+                     labels: bool = True, pcas: dict | None = None, features: dict | None = None) -> torch.Tensor:
     """One figure (3, H, W) in [0, 1]: a row of ``COLUMNS`` panels per model, for TensorBoard or PNG.
 
     ``models`` maps a row label to a backbone (timm ViT); ``image`` is (3, H, W) in [0, 1], both
-    sides multiples of the patch size. Use ``SummaryWriter.add_image(tag, grid)`` (CHW).
+    sides multiples of the patch size. ``pcas`` maps a row label to a (PCA, PCA std) pair of
+    fitted :class:`PCAColouring` (default: fitted on this image); ``features`` maps it to this
+    image's (C, h, w) features when they are already computed. Use
+    ``SummaryWriter.add_image(tag, grid)`` (CHW).
     """
     if not models:
         raise ValueError("feature_map_grid needs at least one model")
@@ -239,16 +299,22 @@ def feature_map_grid(models: dict, image: torch.Tensor, k: int = 4, query=None, 
     texts = [(2, PAD + c * (W + PAD), title + (f" k={k}" if title == "k-means" else ""))
              for c, title in enumerate(COLUMNS)]
     for r, (name, model) in enumerate(models.items()):
-        device = next(model.parameters()).device
-        with torch.no_grad():
-            features = patch_features(model, normalize(image)[None].to(device))[0].cpu()
-        panels = feature_panels(features, image, k=k, query=query, patch_size=tuple(model.patch_embed.patch_size),
-                                n_init=n_init)
+        feats = (features or {}).get(name)
+        if feats is None:
+            device = next(model.parameters()).device
+            with torch.no_grad():
+                feats = patch_features(model, normalize(image)[None].to(device))[0].cpu()
+        pca, pca_std = (pcas or {}).get(name, (None, None))
+        panels = feature_panels(feats, image, k=k, query=query, patch_size=tuple(model.patch_embed.patch_size),
+                                n_init=n_init, pca=pca, pca_std=pca_std)
         top = LABEL_HEIGHT + r * (LABEL_HEIGHT + H + PAD) + LABEL_HEIGHT
         texts.append((top - LABEL_HEIGHT + 2, PAD, str(name)))
         for c, column in enumerate(COLUMNS):
             left = PAD + c * (W + PAD)
             canvas[:, top:top + H, left:left + W] = panels[column]
+        bar_left = PAD + len(COLUMNS) * (W + PAD)
+        canvas[:, top:top + H, bar_left:bar_left + 8] = _colour_bar(H)
+        texts += [(top, bar_left + 10, "1"), (top + H - LABEL_HEIGHT + 2, bar_left + 10, "0")]
     return _draw_text(canvas, texts) if labels else canvas
 
 
@@ -259,7 +325,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_image_arguments(parser, default_size=448)
     parser.add_argument("--out", required=True, help="output folder for one PNG per image")
     parser.add_argument("--k", type=int, default=4, help="k-means clusters")
-    parser.add_argument("--n-init", type=int, default=5, help="k-means initialisations")
+    parser.add_argument("--n-init", type=int, default=N_INIT, help="k-means initialisations (default %(default)s)")
+    parser.add_argument("--pca", choices=("joint", "per-image"), default="joint",
+                        help="fit each model's PCA once on all images' patches, so colours mean the same in every "
+                             "image (joint, default; paper Fig. S13), or on each image alone (per-image)")
     parser.add_argument("--query", nargs=2, type=int, default=None, metavar=("Y", "X"),
                         help="query pixel for the similarity map in the resized image (default: centre)")
     parser.add_argument("--tensorboard", default=None, metavar="DIR", help="also write the figures to TensorBoard")
@@ -268,8 +337,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from tqdm.auto import tqdm
 
+    from .cli_options import check_image_size, weights_of
+
+    check_image_size(args.size)
     images = images_from_args(args)
-    models = dict(build_models(args))
+    weights = weights_of(args)
+    # Row labels say when a model is randomly initialised: its maps show an untrained network.
+    models = {name + (" (random init)" if weights[name] == "random init" else ""): model
+              for name, model in build_models(args)}
+    pcas, features = None, [None] * len(images)
+    if args.pca == "joint":  # every image's features first: one PCA per model over all of them
+        pcas, features = {}, [{} for _ in images]
+        for name, model in models.items():
+            device = next(model.parameters()).device
+            with torch.no_grad():
+                feats = [patch_features(model, normalize(img)[None].to(device))[0].cpu() for _, img in images]
+            pcas[name] = (PCAColouring(feats), PCAColouring(feats, standardise=True))
+            for i, f in enumerate(feats):
+                features[i][name] = f
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -280,8 +365,9 @@ def run(args) -> int:
         writer = SummaryWriter(args.tensorboard)
     from PIL import Image
 
-    for name, image in tqdm(images, desc="feature maps", unit="image"):
-        grid = feature_map_grid(models, image, k=args.k, query=args.query, n_init=args.n_init)
+    for (name, image), feats in tqdm(zip(images, features), total=len(images), desc="feature maps", unit="image"):
+        grid = feature_map_grid(models, image, k=args.k, query=args.query, n_init=args.n_init, pcas=pcas,
+                                features=feats)
         safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
         Image.fromarray((grid.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)).save(out / f"{safe}.png")
         if writer is not None:

@@ -1,4 +1,4 @@
-"""The positional-bias linear probe (SPEC.md §5): how well do patch features predict *where* a patch is?
+"""The positional-bias linear probe (README.md "Method" §5): how well do patch features predict *where* a patch is?
 
 For an image's (C, h, w) feature grid, a ridge regression on standardised features is fitted
 at a random ``fraction`` of the patches to a position target and scored (R²) on the patches it
@@ -10,20 +10,25 @@ did not see. Targets, each normalised to [0, 1] over the image:
 
 A model whose features carry absolute position scores near 1; a position-free model scores
 near 0 or below (held-out R² is negative when the fit is worse than the mean).
+
+The fit needs enough patches: 2.5 % of a 37×37 grid (518 px) is 34 patches, but of an 8×8
+grid (112 px) it is 2, and R² then means nothing (−191 was seen). So at least ``min_train``
+patches (default 32) are fitted, raising the fraction with a warning, and at most half the
+patches, so that as many are scored.
 """
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-from sklearn.linear_model import Ridge
-from sklearn.metrics import r2_score
-from sklearn.pipeline import make_pipeline
-from sklearn.preprocessing import StandardScaler
+import sys
+import warnings
 
-__all__ = ["TARGETS", "layer_fingerprint", "per_channel_r2", "position_targets", "positional_r2"]
+import numpy as np
+
+__all__ = ["MIN_TRAIN", "TARGETS", "fitted_patches", "layer_fingerprint", "per_channel_r2", "position_targets",
+           "positional_r2"]
 
 TARGETS = ("x", "y", "diag", "radial", "xy")
+MIN_TRAIN = 32  # fitted patches at least: about what 2.5 % of a 518 px image (37×37 patches) gives
 
 
 def position_targets(grid_size, target: str = "xy") -> np.ndarray:
@@ -48,7 +53,8 @@ def position_targets(grid_size, target: str = "xy") -> np.ndarray:
 
 
 def _as_feature_batch(features) -> np.ndarray:
-    if isinstance(features, torch.Tensor):
+    torch = sys.modules.get("torch")  # features cannot be a tensor if torch was never imported
+    if torch is not None and isinstance(features, torch.Tensor):
         features = features.detach().to("cpu", torch.float64).numpy()
     features = np.asarray(features, dtype=np.float64)
     if features.ndim == 3:
@@ -62,13 +68,33 @@ def _as_feature_batch(features) -> np.ndarray:
     return features
 
 
-def _splits(num_patches: int, fraction: float, repeats: int, seed: int):
+def fitted_patches(num_patches: int, fraction: float, min_train: int = MIN_TRAIN) -> int:
+    """How many of ``num_patches`` the probe fits on: ``fraction`` of them, raised to ``min_train``,
+    capped at half the patches (and at least 2, with at least 2 left to score)."""
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"fraction must be in (0, 1), got {fraction}")
+    if min_train < 0:
+        raise ValueError(f"min_train must be at least 0, got {min_train}")
+    wanted = round(fraction * num_patches)
+    n = max(wanted, min(min_train, num_patches // 2))
+    return min(max(2, n), num_patches - 2)  # R² is undefined on fewer than two patches
+
+
+def _fit_note(num_patches: int, fraction: float, min_train: int) -> int:
+    n = fitted_patches(num_patches, fraction, min_train)
+    if n > round(fraction * num_patches):
+        warnings.warn(f"positional probe: {fraction:.1%} of {num_patches} patches is {round(fraction * num_patches)}, "
+                      f"too few to fit; fitting {n} ({n / num_patches:.1%}) instead (min_train={min_train})",
+                      stacklevel=3)
+    if n < min_train:
+        warnings.warn(f"positional probe: a grid of {num_patches} patches is small; fitting only {n} of them "
+                      "makes R² noisy (use larger images)", stacklevel=3)
+    return n
+
+
+def _splits(num_patches: int, n_train: int, repeats: int, seed: int):
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    # At least two patches on each side: R² is undefined on fewer.
-    n_train = min(max(2, round(fraction * num_patches)), num_patches - 2)
     rng = np.random.default_rng(seed)
     for _ in range(repeats):
         perm = rng.permutation(num_patches)
@@ -76,7 +102,7 @@ def _splits(num_patches: int, fraction: float, repeats: int, seed: int):
 
 
 def positional_r2(features, target: str = "xy", fraction: float = 0.025, repeats: int = 10, seed: int = 0,
-                  alpha: float = 1.0) -> float:
+                  alpha: float = 1.0, min_train: int = MIN_TRAIN) -> float:
     """Held-out R² of a ridge probe from all channels to ``target``, averaged over repeats and images.
 
     Args:
@@ -85,14 +111,22 @@ def positional_r2(features, target: str = "xy", fraction: float = 0.025, repeats
         fraction: share of patches used to fit (the rest are scored).
         repeats: random samplings per image; image b uses seeds derived from ``seed`` and b.
         alpha: ridge penalty on the standardised features.
+        min_train: fit on at least this many patches (at most half the grid); raising the
+            fraction to reach it warns. 0 keeps ``fraction`` as given.
     """
+    from sklearn.linear_model import Ridge
+    from sklearn.metrics import r2_score
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
     feats = _as_feature_batch(features)
     B, C, h, w = feats.shape
     y_all = position_targets((h, w), target)
+    n_train = _fit_note(h * w, fraction, min_train)
     scores = []
     for b in range(B):
         x_all = feats[b].reshape(C, h * w).T
-        for train, test in _splits(h * w, fraction, repeats, seed + 7919 * b):
+        for train, test in _splits(h * w, n_train, repeats, seed + 7919 * b):
             probe = make_pipeline(StandardScaler(), Ridge(alpha=alpha))
             probe.fit(x_all[train], y_all[train])
             scores.append(r2_score(y_all[test], probe.predict(x_all[test])))
@@ -100,20 +134,21 @@ def positional_r2(features, target: str = "xy", fraction: float = 0.025, repeats
 
 
 def per_channel_r2(features, target: str = "xy", fraction: float = 0.025, repeats: int = 10,
-                   seed: int = 0) -> np.ndarray:
+                   seed: int = 0, min_train: int = MIN_TRAIN) -> np.ndarray:
     """Held-out R² of a one-channel linear fit per channel: the "positional fingerprint", shape (C,).
 
     Least squares in closed form for every channel at once; multi-output targets average R²
-    over outputs, like :func:`positional_r2`.
+    over outputs, like :func:`positional_r2` (same ``fraction``/``min_train`` rule).
     """
     feats = _as_feature_batch(features)
     B, C, h, w = feats.shape
     y_all = position_targets((h, w), target)  # (P, K)
+    n_train = _fit_note(h * w, fraction, min_train)
     total = np.zeros(C)
     count = 0
     for b in range(B):
         x_all = feats[b].reshape(C, h * w).T  # (P, C)
-        for train, test in _splits(h * w, fraction, repeats, seed + 7919 * b):
+        for train, test in _splits(h * w, n_train, repeats, seed + 7919 * b):
             xt, yt = x_all[train], y_all[train]
             x_c = xt - xt.mean(0)
             var = (x_c ** 2).sum(0)  # (C,)
@@ -129,14 +164,16 @@ def per_channel_r2(features, target: str = "xy", fraction: float = 0.025, repeat
     return total / count
 
 
-@torch.no_grad()
 def layer_fingerprint(model, images: torch.Tensor, layers=None, target: str = "xy", fraction: float = 0.025,
-                      repeats: int = 10, seed: int = 0) -> dict[int, dict]:
+                      repeats: int = 10, seed: int = 0, min_train: int = MIN_TRAIN) -> dict[int, dict]:
     """Per-layer probe of a timm ViT: ``{layer: {"r2": float, "channel_r2": (C,) array}}``."""
+    import torch
+
     from .features import patch_features
 
     layers = list(range(len(model.blocks))) if layers is None else list(layers)
-    feats = patch_features(model, images, layers=layers)
-    return {layer: {"r2": positional_r2(f, target, fraction, repeats, seed),
-                    "channel_r2": per_channel_r2(f, target, fraction, repeats, seed)}
+    with torch.no_grad():
+        feats = patch_features(model, images, layers=layers)
+    return {layer: {"r2": positional_r2(f, target, fraction, repeats, seed, min_train=min_train),
+                    "channel_r2": per_channel_r2(f, target, fraction, repeats, seed, min_train=min_train)}
             for layer, f in feats.items()}

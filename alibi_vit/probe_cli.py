@@ -1,7 +1,13 @@
 """``alibi-vit probe``: the positional-bias probe of several models on the same images.
 
-Prints a table (models × targets) of held-out R² and writes it as CSV. ``--per-layer`` adds
-one row per block (the per-layer fingerprint) and a per-channel CSV.
+Prints a table (models × targets) of held-out R² and writes it as CSV; the ``weights`` column
+says where each model's weights came from (``random init`` when neither ``--pretrained`` nor
+``--checkpoint`` was given: such numbers say nothing about trained features). ``--per-layer``
+adds one row per block and writes the per-channel R² (the "positional fingerprint", target
+``--fingerprint-target``) to ``<out>_channels.csv``. ``--plot`` (implies ``--per-layer``) draws
+R² per layer, one panel per target (paper Fig. 2), to ``<out>_layers.png`` and the fingerprint
+as a layers × channels heatmap per model (paper Fig. 3 uses ``--fingerprint-target x``) to
+``<out>_fingerprint.png``.
 """
 
 from __future__ import annotations
@@ -10,64 +16,108 @@ import argparse
 import csv
 from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
-
-from .cli_options import add_image_arguments, add_model_arguments, build_models, images_from_args
-from .images import normalize
-from .probe import TARGETS, per_channel_r2, positional_r2
+from .probe import MIN_TRAIN, TARGETS, fitted_patches
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .cli_options import add_image_arguments, add_model_arguments
+
     add_model_arguments(parser)
     add_image_arguments(parser, default_size=224)
     parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
     parser.add_argument("--fraction", type=float, default=0.025, help="share of patches the probe is fitted on")
+    parser.add_argument("--min-train", type=int, default=MIN_TRAIN,
+                        help="fit on at least this many patches (at most half the grid), raising --fraction on "
+                             "small images (default %(default)s; 0 keeps --fraction as given)")
     parser.add_argument("--repeats", type=int, default=10, help="random samplings per image")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--per-layer", action="store_true", help="probe every block's output too")
+    parser.add_argument("--fingerprint-target", default="xy", choices=TARGETS,
+                        help="target of the per-channel fingerprint (default %(default)s; paper Fig. 3: x)")
+    parser.add_argument("--plot", action="store_true",
+                        help="draw R² per layer and the per-channel fingerprint heatmap as PNGs next to --out "
+                             "(implies --per-layer)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--out", type=Path, default=Path("probe_results.csv"), help="CSV file to write")
 
 
-@torch.no_grad()
-def _features(model, images, batch_size, device, layers):
+def _features(model, images, batch_size, layers):
+    import torch
+    from tqdm.auto import tqdm
+
     from .features import patch_features
 
+    device = next(model.parameters()).device
     out = {}
-    for start in tqdm(range(0, len(images), batch_size), desc="features", leave=False):
-        batch = torch.stack(images[start:start + batch_size]).to(device)
-        feats = patch_features(model, batch, layers=layers)
-        # The last block's output through the final norm is the final feature map: no second forward.
-        feats = {"final": feats} if layers is None else {**feats, "final": feats[layers[-1]]}
-        for key, value in feats.items():
-            out.setdefault(key, []).append(value.float().cpu())
+    with torch.no_grad():
+        for start in tqdm(range(0, len(images), batch_size), desc="features", leave=False):
+            batch = torch.stack(images[start:start + batch_size]).to(device)
+            feats = patch_features(model, batch, layers=layers)
+            # The last block's output through the final norm is the final feature map: no second forward.
+            feats = {"final": feats} if layers is None else {**feats, "final": feats[layers[-1]]}
+            for key, value in feats.items():
+                out.setdefault(key, []).append(value.float().cpu())
     return {key: torch.cat(chunks) for key, chunks in out.items()}
 
 
 def run(args) -> int:
+    import warnings
+
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    from .cli_options import build_models, check_image_size, images_from_args, weights_of
+    from .images import normalize
+    from .probe import per_channel_r2, positional_r2
+
+    check_image_size(args.size)
+    if args.plot:
+        _figure()  # without matplotlib, fail before the work
+        args.per_layer = True
+    args.out.parent.mkdir(parents=True, exist_ok=True)  # an unusable --out fails now, not after the work
+    weights = weights_of(args)
     images = [normalize(img) for _, img in images_from_args(args)]
-    rows, channel_rows = [], []
+    rows, channel_rows, fingerprints = [], [], {}
     for name, model in build_models(args):
         layers = list(range(len(model.blocks))) if args.per_layer else None
-        feats = _features(model, images, args.batch_size, args.device, layers)
+        feats = _features(model, images, args.batch_size, layers)
+        h, w = feats["final"].shape[-2:]
+        n_train = fitted_patches(h * w, args.fraction, args.min_train)
         for layer, f in tqdm(feats.items(), desc=f"probe {name}", leave=False):
-            row = {"model": name, "layer": layer, "images": args.images, "num_images": len(images), "size": args.size}
-            for target in args.targets:
-                row[target] = positional_r2(f, target, args.fraction, args.repeats, args.seed)
-            rows.append(row)
-            if args.per_layer:
-                for c, r2 in enumerate(per_channel_r2(f, "xy", args.fraction, args.repeats, args.seed)):
-                    channel_rows.append({"model": name, "layer": layer, "channel": c, "xy": r2})
+            row = {"model": name, "weights": weights[name], "layer": layer, "images": args.images,
+                   "num_images": len(images), "size": args.size, "fitted_patches": n_train, "patches": h * w}
+            with warnings.catch_warnings():
+                # The fraction note is printed once below the table, not once per layer and target.
+                warnings.filterwarnings("ignore", message="positional probe:")
+                for target in args.targets:
+                    row[target] = positional_r2(f, target, args.fraction, args.repeats, args.seed,
+                                                min_train=args.min_train)
+                rows.append(row)
+                if args.per_layer:
+                    r2 = per_channel_r2(f, args.fingerprint_target, args.fraction, args.repeats, args.seed,
+                                        min_train=args.min_train)
+                    if layer != "final":
+                        fingerprints.setdefault(name, []).append(r2)
+                    for c, value in enumerate(r2):
+                        channel_rows.append({"model": name, "layer": layer, "channel": c,
+                                             args.fingerprint_target: value})
         del model
-    _print_table(rows, args.targets)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    _print_table(rows, args.targets, args.fraction)
     _write_csv(args.out, rows)
     print(f"wrote {args.out}")
     if channel_rows:
         channel_path = args.out.with_name(args.out.stem + "_channels.csv")
         _write_csv(channel_path, channel_rows)
         print(f"wrote {channel_path}")
+    if args.plot:
+        layer_rows = [r for r in rows if r["layer"] != "final"]
+        figures = {"_layers.png": plot_r2_per_layer(layer_rows, args.targets),
+                   "_fingerprint.png": plot_fingerprints({k: np.stack(v) for k, v in fingerprints.items()},
+                                                         args.fingerprint_target)}
+        for suffix, fig in figures.items():
+            path = args.out.with_name(args.out.stem + suffix)
+            fig.savefig(path, dpi=120)
+            print(f"wrote {path}")
     return 0
 
 
@@ -78,12 +128,77 @@ def _write_csv(path, rows):
         writer.writerows(rows)
 
 
-def _print_table(rows, targets):
-    name_width = max(len("model"), *(len(r["model"]) for r in rows))
+def _print_table(rows, targets, fraction):
+    names = [r["model"] + (" *" if r["weights"] == "random init" else "") for r in rows]
+    name_width = max(len("model"), *(len(n) for n in names))
     header = f"{'model':<{name_width}}  {'layer':>5}  " + "  ".join(f"{t:>7}" for t in targets)
-    print(f"positional R² (held-out; 1 = position fully readable, ≤ 0 = none) on {rows[0]['images']}, "
-          f"{rows[0]['num_images']} images at {rows[0]['size']} px")
+    first = rows[0]
+    print(f"positional R² (held-out; 1 = position fully readable, ≤ 0 = none) on {first['images']}, "
+          f"{first['num_images']} images at {first['size']} px")
     print(header)
     print("-" * len(header))
-    for r in rows:
-        print(f"{r['model']:<{name_width}}  {str(r['layer']):>5}  " + "  ".join(f"{r[t]:7.3f}" for t in targets))
+    for name, r in zip(names, rows):
+        print(f"{name:<{name_width}}  {str(r['layer']):>5}  " + "  ".join(f"{r[t]:7.3f}" for t in targets))
+    if any(r["weights"] == "random init" for r in rows):
+        print("* randomly initialised (no --pretrained or --checkpoint): these numbers say nothing about a trained "
+              "model")
+    for n, total in sorted({(r["fitted_patches"], r["patches"]) for r in rows}):
+        if n != round(fraction * total):
+            print(f"note: fitted on {n} of {total} patches per sampling ({n / total:.1%}), not --fraction "
+                  f"{fraction:.1%} = {round(fraction * total)}, too few for a stable fit; see --min-train")
+
+
+# ---- plots (matplotlib, without pyplot: no global backend state) -------------------------------
+
+def _figure(**kwargs):
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    return Figure(**kwargs)
+
+
+def plot_r2_per_layer(rows, targets):
+    """R² against block index, one panel per target and one line per model (paper Fig. 2): a matplotlib Figure.
+
+    ``rows`` are the probe's per-layer rows (``model``, ``weights``, integer ``layer``, one value per target).
+    The y axis spans −1 to 1; lower values are drawn at −1 (held-out R² is unbounded below), and the
+    panel's title says so.
+    """
+    fig = _figure(figsize=(3.6 * len(targets), 3.2), layout="constrained")
+    axes = fig.subplots(1, len(targets), squeeze=False)[0]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    for ax, target in zip(axes, targets):
+        for name in models:
+            mine = [r for r in rows if r["model"] == name]
+            label = name + (" (random init)" if mine[0]["weights"] == "random init" else "")
+            # Very negative R² would squash the informative range [0, 1]: draw it at −1.
+            ax.plot([r["layer"] for r in mine], [max(r[target], -1.0) for r in mine], marker="o", markersize=3,
+                    label=label)
+        ax.axhline(0.0, color="0.6", linewidth=0.8)
+        ax.set_ylim(-1.05, 1.05)
+        clipped = any(r[target] < -1.0 for r in rows)
+        ax.set_title(f"target {target}" + (" (values < −1 drawn at −1)" if clipped else ""), fontsize="medium")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_xlabel("layer (block)")
+        ax.set_ylabel("held-out R²")
+    axes[0].legend(fontsize="small")
+    return fig
+
+
+def plot_fingerprints(fingerprints, target):
+    """Per-channel R² as a layers × channels heatmap per model (paper Fig. 3): a matplotlib Figure.
+
+    ``fingerprints`` maps a model name to its (layers, channels) array; colours span R² 0 → 1
+    (negative values show as 0).
+    """
+    fig = _figure(figsize=(10, 0.4 + 2.6 * len(fingerprints)), layout="constrained")
+    axes = fig.subplots(len(fingerprints), 1, squeeze=False)[:, 0]
+    for ax, (name, values) in zip(axes, fingerprints.items()):
+        im = ax.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0.0, vmax=1.0)
+        ax.set_title(f"{name}: per-channel R², target {target}")
+        ax.set_xlabel("channel")
+        ax.set_ylabel("layer")
+        ax.yaxis.get_major_locator().set_params(integer=True)
+        fig.colorbar(im, ax=ax, label="R² (≤ 0 shown as 0)")
+    return fig

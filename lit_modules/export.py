@@ -4,12 +4,18 @@ The result is the release format: ``timm.create_model("alibi_vit_small_patch14_r
 checkpoint_path=...)`` loads it (after ``import alibi_vit``), strictly. Before writing, the
 weights are loaded strictly into the student architecture rebuilt from the checkpoint's
 hyperparameters, so an export that would not load is never written.
+
+A ``.safetensors`` export records the architecture in its metadata (``model``, ``model_kwargs``,
+``student_kwargs``); ``alibi_vit.create_backbone`` and ``alibi-vit probe``/``show`` read it, so
+a non-default architecture (the demo's 2 blocks, say) loads without ``--model-arg``. ``.pth``/``.pt``
+files hold only the tensors.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -67,6 +73,11 @@ def export_student(checkpoint, out, *, verify: bool = True) -> Path:
         save_file(state, str(out), metadata=metadata)
     else:
         torch.save(state, out)
+        kwargs = {**(hparams.get("model_kwargs") or {}), **(hparams.get("student_kwargs") or {})}
+        if kwargs:
+            given = " ".join(f"--model-arg {k}={v}" for k, v in kwargs.items())
+            warnings.warn(f"{out.suffix} files do not record the architecture: load {out.name} with {given} "
+                          "(a .safetensors export records it)", stacklevel=2)
     return out
 
 

@@ -1,5 +1,7 @@
 """Feature-map figures: PCA, k-means and similarity panels, the grid, and `alibi-vit show`."""
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -8,7 +10,8 @@ from PIL import Image
 import alibi_vit
 from alibi_vit.cli import main
 from alibi_vit.feature_maps import (
-    COLUMNS, LABEL_HEIGHT, PAD, cosine_similarity_map, feature_map_grid, grid_shape, kmeans_labels, pca_rgb,
+    COLORBAR_WIDTH, COLUMNS, LABEL_HEIGHT, PAD, PCAColouring, cosine_similarity_map, feature_map_grid, grid_shape,
+    kmeans_labels, pca_rgb,
 )
 
 TINY = dict(depth=2, embed_dim=48, num_heads=2)
@@ -40,6 +43,7 @@ def test_kmeans_recovers_planted_clusters_ordered_by_size():
     features, regions = planted()
     labels = kmeans_labels(features, k=4)
     assert torch.equal(labels, regions)  # cluster 0 = largest region, 3 = smallest
+    assert inspect.signature(kmeans_labels).parameters["n_init"].default == 15  # the paper's setting
     with pytest.raises(ValueError, match="k must be"):
         kmeans_labels(features, k=0)
 
@@ -63,7 +67,8 @@ def test_grid_has_the_documented_layout_and_shows_the_image():
     image = torch.rand(3, 56, 84)
     grid = feature_map_grid(models, image, k=3, query=(5, 70))
     # header strip, then per model a name strip over a row of 5 panels; PAD px around everything
-    assert grid.shape == (3, LABEL_HEIGHT + 2 * (LABEL_HEIGHT + 56 + PAD) + PAD, PAD + len(COLUMNS) * (84 + PAD))
+    assert grid.shape == (3, LABEL_HEIGHT + 2 * (LABEL_HEIGHT + 56 + PAD) + PAD,
+                          PAD + len(COLUMNS) * (84 + PAD) + COLORBAR_WIDTH)
     assert grid_shape(2, (56, 84)) == tuple(grid.shape[1:])
     assert grid.min() >= 0 and grid.max() <= 1
     top, left = 2 * LABEL_HEIGHT, PAD  # first model's image panel; the query cross sits near (5, 70)
@@ -75,6 +80,33 @@ def test_grid_has_the_documented_layout_and_shows_the_image():
     pca_left = PAD + (84 + PAD)
     first_pca = grid[:, top:top + 56, pca_left:pca_left + 84]
     assert not torch.equal(first_pca, grid[:, second:second + 56, pca_left:pca_left + 84])
+    # the query cross: red at the query pixel with a white edge, in the image and the similarity panel
+    sim_left = PAD + 4 * (84 + PAD)
+    red, white = torch.tensor([1.0, 0.1, 0.1]), torch.ones(3)
+    for panel_left in (left, sim_left):
+        torch.testing.assert_close(grid[:, top + 5, panel_left + 70], red, atol=1 / 255, rtol=0)
+        torch.testing.assert_close(grid[:, top + 5 + 2, panel_left + 70 + 3], white, atol=1 / 255, rtol=0)
+    # the colour bar right of the similarity panel: viridis from 1 (top, yellow) to 0 (bottom, purple)
+    bar = grid[:, top:top + 56, PAD + 5 * (84 + PAD) + 4]
+    torch.testing.assert_close(bar[:, 0], torch.tensor([253, 231, 37]) / 255.0, atol=1 / 255, rtol=0)
+    torch.testing.assert_close(bar[:, -1], torch.tensor([68, 1, 84]) / 255.0, atol=1 / 255, rtol=0)
+
+
+def test_joint_pca_gives_the_same_feature_the_same_colour_in_every_image():
+    features, regions = planted()
+    other = features.clone()
+    other[:, regions == 0] = features[:, regions == 1][:, :1]  # image 2: region 0 now looks like region 1
+    for standardise in (False, True):
+        joint = PCAColouring([features, other], standardise=standardise)
+        a, b = joint(features), joint(other)
+        # region 1 has the same features in both images: the same colours
+        torch.testing.assert_close(a[:, regions == 1], b[:, regions == 1], atol=1e-6, rtol=0)
+        # and image 2's region 0 takes region 1's colour
+        torch.testing.assert_close(b[:, regions == 0].mean(1), a[:, regions == 1].mean(1), atol=0.05, rtol=0)
+    # fitted on one image, it is pca_rgb
+    torch.testing.assert_close(PCAColouring(features)(features), pca_rgb(features), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="at least one image"):
+        PCAColouring([])
 
 
 def test_show_command_writes_figures_and_tensorboard_images(tmp_path):
@@ -86,7 +118,7 @@ def test_show_command_writes_figures_and_tensorboard_images(tmp_path):
     out, tb = tmp_path / "figures", tmp_path / "tb"
     code = main(["show", "--models", "alibi_vit_small_patch14_reg4_dinov2", "nope_vit_small_patch14_reg4_dinov2",
                  "vit_small_patch14_reg4_dinov2", "--images", str(folder), "--out", str(out), "--size", "56",
-                 "--k", "3", "--query", "10", "40", *TINY_ARGS, "--tensorboard", str(tb)])
+                 "--k", "3", "--query", "10", "40", *TINY_ARGS, "--tensorboard", str(tb), "--pca", "per-image"])
     assert code == 0
     files = sorted(p.name for p in out.iterdir())
     assert files == ["grey.png", "odd_size.png"]

@@ -1,6 +1,7 @@
 """The positional probe: targets, held-out scoring, per-channel fingerprints, and real models."""
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from timm.layers import build_sincos2d_pos_embed
 
 from alibi_vit import convert_to_alibi, patch_features
 from alibi_vit.images import bundled_images, normalize, resize_center_crop
-from alibi_vit.probe import layer_fingerprint, per_channel_r2, position_targets, positional_r2
+from alibi_vit.probe import MIN_TRAIN, fitted_patches, layer_fingerprint, per_channel_r2, position_targets, positional_r2
 
 
 def test_targets_by_hand():
@@ -106,3 +107,31 @@ def test_layer_fingerprint_on_bundled_textures():
         assert layer["channel_r2"].shape == (32,) and np.isfinite(layer["r2"])
     # The position code is strongest right after it is added.
     assert result[0]["r2"] > 0.5
+
+
+def test_fitted_patches_rule_by_hand():
+    assert MIN_TRAIN == 32
+    assert fitted_patches(37 * 37, 0.025) == 34  # 518 px: the fraction alone is enough
+    assert fitted_patches(8 * 8, 0.025) == 32  # 112 px: 2 would be fitted; raised to the minimum
+    assert fitted_patches(8 * 8, 0.025, min_train=0) == 2
+    assert fitted_patches(4 * 4, 0.025) == 8  # never more than half the grid for a raised fraction
+    assert fitted_patches(2 * 2, 0.025) == 2  # at least 2 fitted and 2 scored
+    assert fitted_patches(10 * 10, 0.9) == 90  # an explicit large fraction is kept
+    with pytest.raises(ValueError, match="fraction"):
+        fitted_patches(100, 0.0)
+
+
+def test_small_grid_raises_the_fraction_with_a_warning_and_the_score_becomes_meaningful():
+    # Features that are a noisy linear code of (x, y) on an 8×8 grid (a 112 px image).
+    rng = np.random.default_rng(0)
+    feats = (position_targets((8, 8), "xy") @ rng.normal(size=(2, 48)) + 0.05 * rng.normal(size=(64, 48)))
+    feats = feats.T.reshape(48, 8, 8)
+    with pytest.warns(UserWarning, match=r"fitting 32 \(50.0%\) instead"):
+        raised = positional_r2(feats, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # min_train=0 keeps the fraction: no warning
+        two_patches = positional_r2(feats, seed=1, min_train=0)
+    assert raised > 0.99  # position is linearly readable, and the raised fit sees it
+    assert two_patches < 0  # two fitted patches cannot: the nonsense the minimum prevents
+    with pytest.warns(UserWarning, match="fitting 32"):
+        assert per_channel_r2(feats, target="x", seed=1).shape == (48,)

@@ -48,3 +48,42 @@ def test_probe_command_reports_bad_input(tmp_path, capsys):
     assert main(["probe", "--model", "alibi_vit_small_patch14_reg4_dinov2", *TINY_ARGS,
                  "--images", str(tmp_path / "missing"), "--out", str(tmp_path / "x.csv")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_probe_says_which_models_are_random_and_how_many_patches_it_fitted(tmp_path, capsys):
+    out = tmp_path / "probe.csv"
+    # 56 px: a 4×4 grid; 2.5 % of 16 patches would be 0, so 8 (half the grid) are fitted
+    assert main(["probe", "--model", "alibi_vit_small_patch14_reg4_dinov2", *TINY_ARGS, "--images", "noise",
+                 "--noise-count", "2", "--size", "56", "--repeats", "1", "--targets", "xy", "--out", str(out)]) == 0
+    row = read_rows(out)[0]
+    assert (row["weights"], row["fitted_patches"], row["patches"]) == ("random init", "8", "16")
+    printed = capsys.readouterr().out
+    assert "alibi_vit_small_patch14_reg4_dinov2 *" in printed and "* randomly initialised" in printed
+    assert "note: fitted on 8 of 16 patches per sampling (50.0%), not --fraction 2.5% = 0" in printed
+
+
+def test_probe_plot_writes_both_figures_from_the_csv_numbers(tmp_path):
+    from PIL import Image
+
+    from alibi_vit.probe_cli import plot_fingerprints, plot_r2_per_layer
+
+    out = tmp_path / "probe.csv"
+    assert main(["probe", "--model", "vit_small_patch14_reg4_dinov2", *TINY_ARGS, "--images", "noise",
+                 "--noise-count", "2", "--size", "56", "--repeats", "1", "--targets", "x", "xy",
+                 "--fingerprint-target", "x", "--plot", "--out", str(out)]) == 0  # --plot implies --per-layer
+    for name in ("probe_layers.png", "probe_fingerprint.png"):
+        with Image.open(tmp_path / name) as im:
+            assert im.format == "PNG" and min(im.size) > 200 and np.asarray(im.convert("L")).std() > 5
+    channels = read_rows(tmp_path / "probe_channels.csv")
+    assert set(channels[0]) == {"model", "layer", "channel", "x"}  # the fingerprint target is the column
+
+    # The figures draw exactly the CSV's numbers: heatmap = layers × channels, curves = R² per layer.
+    grid = np.array([[float(r["x"]) for r in channels if r["layer"] == str(layer)] for layer in (0,)])
+    fig = plot_fingerprints({"m": grid}, "x")
+    image = fig.axes[0].images[0]
+    np.testing.assert_array_equal(image.get_array(), grid)
+    assert image.get_clim() == (0.0, 1.0)
+    rows = [{"model": "m", "weights": "random init", "layer": i, "x": v} for i, v in enumerate([0.5, -3.0, 0.9])]
+    line = plot_r2_per_layer(rows, ["x"]).axes[0].lines[0]
+    np.testing.assert_array_equal(line.get_ydata(), [0.5, -1.0, 0.9])  # below −1 drawn at −1
+    assert line.get_label().endswith("(random init)")
