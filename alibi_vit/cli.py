@@ -18,7 +18,7 @@ import warnings
 
 SUBCOMMANDS = {
     "probe": ("alibi_vit.probe_cli", "positional-bias linear probe: R² of position from patch features"),
-    "show": ("alibi_vit.feature_maps", "feature maps (PCA, k-means, similarity) side by side for several models"),
+    "show": ("alibi_vit.show_cli", "feature maps (PCA, k-means, similarity) side by side for several models"),
     "robustness": ("lit_modules.robustness", "segmentation probe under flip, roll and rot90 (paper Tab. S3)"),
     "export": ("lit_modules.export", "export a distilled student from a Lightning checkpoint as a timm state_dict"),
 }

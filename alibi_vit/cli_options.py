@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import ast
 import sys
-
-import torch
+from typing import TYPE_CHECKING
 
 from .images import BUNDLED_SETS, load_image_set
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["add_image_arguments", "add_model_arguments", "build_models", "check_image_size", "images_from_args",
            "weights_of"]
@@ -101,6 +103,8 @@ def build_models(args):
 
     A model without --checkpoint or --pretrained is randomly initialised: a note says so.
     """
+    import torch
+
     from .checkpoint import check_model_name, create_backbone
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

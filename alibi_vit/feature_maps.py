@@ -19,7 +19,7 @@ are never mixed: each has its own feature space.
 Positional bias shows up as colour ramps in the PCA panels, clusters that follow image
 position instead of content, and similarity maps that decay with distance from the query.
 
-Command::
+The ``alibi-vit show`` command (``alibi_vit/show_cli.py``)::
 
     alibi-vit show --models vit_small_patch14_reg4_dinov2 alibi_vit_small_patch14_reg4_dinov2 \\
         --checkpoint alibi_vit_small_patch14_reg4_dinov2=alibi_dv2_s14.pth \\
@@ -30,21 +30,16 @@ Command::
 
 from __future__ import annotations
 
-import argparse
-import re
-from pathlib import Path
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .features import patch_features
-from .cli_options import add_image_arguments, add_model_arguments, build_models, images_from_args
 from .images import normalize
 
 __all__ = [
     "COLORBAR_WIDTH", "COLUMNS", "LABEL_HEIGHT", "PAD", "PCAColouring", "cosine_similarity_map", "feature_map_grid",
-    "feature_panels", "grid_shape", "kmeans_labels", "pca_rgb", "shared_pca_rgb", "add_arguments", "run",
+    "feature_panels", "grid_shape", "kmeans_labels", "pca_rgb", "shared_pca_rgb",
 ]
 
 COLUMNS = ("image", "PCA", "PCA std", "k-means", "similarity")
@@ -316,63 +311,3 @@ def feature_map_grid(models: dict, image: torch.Tensor, k: int = 4, query=None, 
         canvas[:, top:top + H, bar_left:bar_left + 8] = _colour_bar(H)
         texts += [(top, bar_left + 10, "1"), (top + H - LABEL_HEIGHT + 2, bar_left + 10, "0")]
     return _draw_text(canvas, texts) if labels else canvas
-
-
-# ---- command line ---------------------------------------------------------------------------
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser)
-    add_image_arguments(parser, default_size=448)
-    parser.add_argument("--out", required=True, help="output folder for one PNG per image")
-    parser.add_argument("--k", type=int, default=4, help="k-means clusters")
-    parser.add_argument("--n-init", type=int, default=N_INIT, help="k-means initialisations (default %(default)s)")
-    parser.add_argument("--pca", choices=("joint", "per-image"), default="joint",
-                        help="fit each model's PCA once on all images' patches, so colours mean the same in every "
-                             "image (joint, default; paper Fig. S13), or on each image alone (per-image)")
-    parser.add_argument("--query", nargs=2, type=int, default=None, metavar=("Y", "X"),
-                        help="query pixel for the similarity map in the resized image (default: centre)")
-    parser.add_argument("--tensorboard", default=None, metavar="DIR", help="also write the figures to TensorBoard")
-
-
-def run(args) -> int:
-    from tqdm.auto import tqdm
-
-    from .cli_options import check_image_size, weights_of
-
-    check_image_size(args.size)
-    images = images_from_args(args)
-    weights = weights_of(args)
-    # Row labels say when a model is randomly initialised: its maps show an untrained network.
-    models = {name + (" (random init)" if weights[name] == "random init" else ""): model
-              for name, model in build_models(args)}
-    pcas, features = None, [None] * len(images)
-    if args.pca == "joint":  # every image's features first: one PCA per model over all of them
-        pcas, features = {}, [{} for _ in images]
-        for name, model in models.items():
-            device = next(model.parameters()).device
-            with torch.no_grad():
-                feats = [patch_features(model, normalize(img)[None].to(device))[0].cpu() for _, img in images]
-            pcas[name] = (PCAColouring(feats), PCAColouring(feats, standardise=True))
-            for i, f in enumerate(feats):
-                features[i][name] = f
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    writer = None
-    if args.tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(args.tensorboard)
-    from PIL import Image
-
-    for (name, image), feats in tqdm(zip(images, features), total=len(images), desc="feature maps", unit="image"):
-        grid = feature_map_grid(models, image, k=args.k, query=args.query, n_init=args.n_init, pcas=pcas,
-                                features=feats)
-        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
-        Image.fromarray((grid.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)).save(out / f"{safe}.png")
-        if writer is not None:
-            writer.add_image(f"feature_maps/{safe}", grid, dataformats="CHW")
-    if writer is not None:
-        writer.close()
-    print(f"wrote {len(images)} figure(s) to {out}")
-    return 0

@@ -32,11 +32,12 @@ import difflib
 import os
 import warnings
 from pathlib import Path
-from typing import Literal, Union
+from typing import TYPE_CHECKING, Literal, Union
 
 import numpy as np
-import torch
-import torch.nn.functional as F
+
+if TYPE_CHECKING:  # torch is imported where it is used, so `alibi-vit probe --help` does not load it
+    import torch
 
 __all__ = [
     "BUNDLED_SETS", "IMAGE_EXTENSIONS", "IMAGENET_MEAN", "IMAGENET_STD", "INTENSITY_MODES", "PERCENTILES",
@@ -197,6 +198,8 @@ def to_rgb_tensor(array: np.ndarray, source: str = "array", intensity: Intensity
     a = scale_intensity(_channels_last(array, source), intensity, source=source)
     if a.shape[-1] == 1:
         a = np.repeat(a, 3, axis=-1)
+    import torch
+
     return torch.from_numpy(np.ascontiguousarray(a.transpose(2, 0, 1)))
 
 
@@ -253,6 +256,8 @@ def resize_center_crop(image: torch.Tensor, size) -> torch.Tensor:
     scale = max(out_h / h, out_w / w)
     new_h, new_w = max(out_h, round(h * scale)), max(out_w, round(w * scale))
     if (new_h, new_w) != (h, w):
+        import torch.nn.functional as F
+
         image = F.interpolate(image[None], size=(new_h, new_w), mode="bilinear", antialias=True,
                               align_corners=False)[0]
     top, left = (new_h - out_h) // 2, (new_w - out_w) // 2
@@ -260,6 +265,8 @@ def resize_center_crop(image: torch.Tensor, size) -> torch.Tensor:
 
 
 def _mean_std(like: torch.Tensor):
+    import torch
+
     mean = torch.tensor(IMAGENET_MEAN, dtype=like.dtype, device=like.device).view(3, 1, 1)
     std = torch.tensor(IMAGENET_STD, dtype=like.dtype, device=like.device).view(3, 1, 1)
     return mean, std
@@ -316,6 +323,8 @@ def bundled_images(name: str = "textures", intensity: IntensityMode = "auto") ->
 def noise_images(count: int, size, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
     """Uniform-noise RGB images: the probe's control set with no content at all."""
     h, w = (size, size) if isinstance(size, int) else size
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     return [(f"noise_{i}", torch.rand(3, h, w, generator=gen)) for i in range(count)]
 

@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import sys
 import warnings
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["MIN_TRAIN", "TARGETS", "fitted_patches", "layer_fingerprint", "per_channel_r2", "position_targets",
            "positional_r2"]

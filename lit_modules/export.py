@@ -18,8 +18,6 @@ import json
 import warnings
 from pathlib import Path
 
-import torch
-
 __all__ = ["add_arguments", "export_student", "run"]
 
 _FORMATS = (".safetensors", ".pth", ".pt")
@@ -30,6 +28,8 @@ def _read_checkpoint(path: Path) -> dict:
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     try:
         # Lightning checkpoints hold only tensors and plain containers; no code is unpickled.
+        import torch
+
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         raise ValueError(f"cannot read Lightning checkpoint {path}: {type(err).__name__}: {err}") from err
@@ -72,6 +72,8 @@ def export_student(checkpoint, out, *, verify: bool = True) -> Path:
                     "student_kwargs": json.dumps(hparams.get("student_kwargs") or {})}
         save_file(state, str(out), metadata=metadata)
     else:
+        import torch
+
         torch.save(state, out)
         kwargs = {**(hparams.get("model_kwargs") or {}), **(hparams.get("student_kwargs") or {})}
         if kwargs:
