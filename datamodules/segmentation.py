@@ -1,4 +1,4 @@
-"""Segmentation datasets in their released on-disk layouts, for the linear probes (SPEC.md §6).
+"""Segmentation datasets in their released on-disk layouts, for the linear probes (README.md "Method" §6).
 
 Four datamodules, each pointed at ``--data.root``:
 
@@ -27,8 +27,12 @@ Every image is resized to the probe size (518 px by default) and normalised with
 mean/std (ADE20K included); labels get the same geometry with nearest-neighbour resampling.
 ``resize_mode="stretch"`` (default) resizes the whole image to the square so every labelled
 pixel counts in the metric; ``"crop"`` resizes the shortest side and centre-crops (aspect kept,
-borders dropped). Training augmentation (random horizontal flips) is off by default, as in the
-paper, and never applied at validation.
+borders dropped). Training augmentation is off by default, as in the paper, and never applied
+at validation: ``augment="flip"`` (or ``true``) flips training pairs horizontally at random;
+``augment="crop_flip"`` also takes a random resized crop first (see ``SegmentationDataModule``).
+
+``train_samples_per_epoch`` makes an epoch a fresh random draw of that many training images
+(the paper's ADE20K protocol, Tab. S2: 1,000 of the 20,210 per epoch); see ``EpochSubsetSampler``.
 
 Batches are dicts: ``label`` (B, H, W) int64 with 255 = ignore, ``image_id`` and ``cache_key``
 (lists of str), and ``image`` (B, 3, H, W) — or, for images whose backbone features a
@@ -38,25 +42,46 @@ workers instead of decoding the image (see ``attach_feature_cache``).
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import lightning as L
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from alibi_vit.images import load_image, normalize
 
 __all__ = [
     "ADE20K_CLASSES", "COCO_STUFF_CLASSES", "COCO_STUFF_CATEGORY_IDS", "IGNORE_INDEX", "VOC_CLASSES",
-    "ADE20KSegmentation", "COCOStuffSegmentation", "DatasetLayoutError", "SegmentationDataModule",
+    "ADE20KSegmentation", "AUGMENTATIONS", "COCOStuffSegmentation", "DatasetLayoutError", "EpochSubsetSampler",
+    "SegmentationDataModule",
     "SegmentationDataset", "VOCSegmentation", "collate_segmentation", "voc_palette", "write_synthetic_voc",
 ]
 
 IGNORE_INDEX = 255
+
+# Training augmentations: none, random horizontal flip, random resized crop + horizontal flip.
+AUGMENTATIONS = ("none", "flip", "crop_flip")
+# Random resized crop of "crop_flip": the crop covers 25–100 % of the image area with an aspect ratio in
+# [3/4, 4/3] (torchvision's ratio default; its area default of 8 % would often leave a crop of a single object)
+CROP_SCALE = (0.25, 1.0)
+CROP_RATIO = (3 / 4, 4 / 3)
+
+
+def _augmentation(augment) -> str:
+    """Normalise ``augment``: booleans (``true`` = ``flip``, the original option) or one of ``AUGMENTATIONS``."""
+    if augment is None or augment is False:
+        return "none"
+    if augment is True:
+        return "flip"
+    if augment in AUGMENTATIONS:
+        return augment
+    raise ValueError(f"augment must be true/false or one of {', '.join(AUGMENTATIONS)}; got {augment!r}")
 
 VOC_CLASSES = (
     "background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
@@ -249,10 +274,14 @@ class SegmentationDataset(Dataset):
     With a ``feature_cache`` attached (an object with ``load(key) -> Tensor | None``), an item
     whose backbone features are cached returns them as ``features`` and its image is never
     decoded: later probe epochs then cost only label reading and the head.
+
+    ``augment``: ``"none"``/``False``, ``"flip"``/``True`` (random horizontal flip of image and label) or
+    ``"crop_flip"`` (a random resized crop of the original image, ``CROP_SCALE`` of its area and
+    ``CROP_RATIO`` aspect, stretched to ``image_size``, then the random flip).
     """
 
     def __init__(self, samples: list[Sample], label_reader, image_size=518, resize_mode: str = "stretch",
-                 augment: bool = False, name: str = "dataset"):
+                 augment: bool | str = False, name: str = "dataset"):
         if not samples:
             raise ValueError(f"{name}: no samples")
         if resize_mode not in ("stretch", "crop"):
@@ -261,7 +290,7 @@ class SegmentationDataset(Dataset):
         self.label_reader = label_reader
         self.image_size = _output_hw(image_size)
         self.resize_mode = resize_mode
-        self.augment = augment
+        self.augmentation = _augmentation(augment)
         self.name = name
         self.feature_cache = None
 
@@ -279,17 +308,25 @@ class SegmentationDataset(Dataset):
         label = torch.from_numpy(self.label_reader(sample)).long()
         item = {"image_id": sample.image_id, "cache_key": f"{self.cache_tag}/{sample.image_id}"}
         features = self.feature_cache.load(item["cache_key"]) if self.feature_cache is not None else None
-        flip = self.augment and random.random() < 0.5
+        flip = self.augmentation != "none" and random.random() < 0.5
+        resize_mode = self.resize_mode
         if features is None:
-            image = load_image(sample.image)
+            # Benchmark photos keep their stored values: a grayscale JPEG is not contrast-stretched.
+            image = load_image(sample.image, intensity="dtype")
             if tuple(image.shape[-2:]) != tuple(label.shape):
                 raise ValueError(f"image {sample.image} is {tuple(image.shape[-2:])} px but its label "
                                  f"{sample.label or 'annotation'} is {tuple(label.shape)} px")
-            image = normalize(_resize(image, self.image_size, "bilinear", self.resize_mode))
+            if self.augmentation == "crop_flip":
+                from torchvision.transforms import RandomResizedCrop
+
+                top, left, h, w = RandomResizedCrop.get_params(image, list(CROP_SCALE), list(CROP_RATIO))
+                image, label = image[..., top:top + h, left:left + w], label[top:top + h, left:left + w]
+                resize_mode = "stretch"  # the crop has already drawn the aspect ratio
+            image = normalize(_resize(image, self.image_size, "bilinear", resize_mode))
             item["image"] = image.flip(-1) if flip else image
         else:
             item["features"] = features
-        label = _resize(label[None].float(), self.image_size, "nearest-exact", self.resize_mode)[0].long()
+        label = _resize(label[None].float(), self.image_size, "nearest-exact", resize_mode)[0].long()
         item["label"] = label.flip(-1) if flip else label
         return item
 
@@ -307,6 +344,43 @@ def collate_segmentation(items: list[dict]) -> dict:
             batch[key] = torch.stack([items[i][key] for i in where])
             batch[f"{key}_index"] = torch.tensor(where, dtype=torch.long)
     return batch
+
+
+class EpochSubsetSampler(DistributedSampler):
+    """Each epoch, a fresh random draw of ``num_samples`` distinct indices, split over the processes.
+
+    The draw of epoch ``e`` is a permutation seeded by ``seed + e``, cut to ``num_samples``, so
+    every process draws the same subset (no communication needed) and a resumed run draws what
+    the interrupted one would have; process ``rank`` of ``num_replicas`` takes every
+    ``num_replicas``-th index of it, the draw padded by wrapping round to equal shares like
+    ``DistributedSampler``. Lightning calls ``set_epoch`` at every epoch and, because this *is*
+    a ``DistributedSampler``, leaves it in place under DDP instead of wrapping it.
+    """
+
+    def __init__(self, dataset, num_samples: int, seed: int = 0, num_replicas: int | None = None,
+                 rank: int | None = None):
+        if num_replicas is None or rank is None:
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            num_replicas = num_replicas if num_replicas is not None else (
+                torch.distributed.get_world_size() if distributed else 1)
+            rank = rank if rank is not None else (torch.distributed.get_rank() if distributed else 0)
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        if not 0 < num_samples <= len(dataset):
+            raise ValueError(f"train_samples_per_epoch={num_samples} must be between 1 and the {len(dataset)} "
+                             "training images (null: every image once per epoch)")
+        self.subset_size = num_samples
+        self.num_samples = math.ceil(num_samples / num_replicas)  # per process, what __len__ reports
+        self.total_size = self.num_samples * num_replicas
+
+    def epoch_indices(self) -> list[int]:
+        """This epoch's draw, the same in every process (before it is split between them)."""
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.dataset), generator=generator)[:self.subset_size].tolist()
+
+    def __iter__(self):
+        indices = self.epoch_indices()
+        indices += indices[:self.total_size - len(indices)]  # equal shares for every process
+        return iter(indices[self.rank:self.total_size:self.num_replicas])
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,8 +409,14 @@ class SegmentationDataModule(L.LightningDataModule):
         resize_mode: ``stretch`` (whole image to the square; default) or ``crop`` (shortest side, centre crop).
         batch_size: training batch size; ``val_batch_size`` defaults to it.
         num_workers: loader worker processes.
-        augment: random horizontal flips of training pairs (off in the paper; never at validation).
-            Incompatible with a feature cache.
+        augment: training augmentation, never at validation: ``false``/``none`` (default; the
+            paper's probes), ``true``/``flip`` (random horizontal flips) or ``crop_flip`` (random
+            resized crop, 25–100 % of the area, aspect 3/4–4/3, then a random flip). Any
+            augmentation is incompatible with a feature cache.
+        train_samples_per_epoch: draw this many distinct training images at random for each epoch,
+            a new draw every epoch (``EpochSubsetSampler``, seeded by ``sampler_seed`` + epoch, the
+            same in every DDP process); default ``None``: every training image once per epoch.
+        sampler_seed: seed of those draws.
     """
 
     num_classes: int
@@ -345,7 +425,8 @@ class SegmentationDataModule(L.LightningDataModule):
 
     def __init__(self, root: str, image_size: int | list[int] = 518, resize_mode: str = "stretch",
                  batch_size: int = 64, val_batch_size: int | None = None, num_workers: int = 8,
-                 augment: bool = False, pin_memory: bool = True):
+                 augment: bool | Literal["none", "flip", "crop_flip"] = False, pin_memory: bool = True,
+                 train_samples_per_epoch: int | None = None, sampler_seed: int = 0):
         super().__init__()
         self.save_hyperparameters()
         self.root = Path(root).expanduser()
@@ -356,8 +437,14 @@ class SegmentationDataModule(L.LightningDataModule):
         self.batch_size = batch_size
         self.val_batch_size = val_batch_size or batch_size
         self.num_workers = num_workers
-        self.augment = augment
+        self.augmentation = _augmentation(augment)  # "none", "flip" or "crop_flip"
+        self.augment = self.augmentation != "none"  # whether training pairs are augmented at all
         self.pin_memory = pin_memory
+        if train_samples_per_epoch is not None and train_samples_per_epoch < 1:
+            raise ValueError(f"train_samples_per_epoch must be a positive number of images or null, "
+                             f"got {train_samples_per_epoch}")
+        self.train_samples_per_epoch = train_samples_per_epoch
+        self.sampler_seed = sampler_seed
         self.feature_cache = None
         self.train_set: SegmentationDataset | None = None
         self.val_set: SegmentationDataset | None = None
@@ -376,7 +463,7 @@ class SegmentationDataModule(L.LightningDataModule):
         samples = self.samples(split)
         _check_files(samples, self.name, split)
         return SegmentationDataset(samples, self.label_reader(split), self.image_size, self.resize_mode,
-                                   augment=self.augment and train, name=self.name)
+                                   augment=self.augmentation if train else "none", name=self.name)
 
     def setup(self, stage: str | None = None) -> None:
         if stage in (None, "fit") and self.train_set is None:
@@ -406,8 +493,9 @@ class SegmentationDataModule(L.LightningDataModule):
             if dataset is not None:
                 dataset.feature_cache = cache
 
-    def _loader(self, dataset, batch_size: int, shuffle: bool) -> DataLoader:
-        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=self.num_workers,
+    def _loader(self, dataset, batch_size: int, shuffle: bool, sampler=None) -> DataLoader:
+        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+                          num_workers=self.num_workers,
                           collate_fn=collate_segmentation, pin_memory=self.pin_memory and torch.cuda.is_available(),
                           # probes run many short epochs: keep workers instead of re-forking them every epoch
                           persistent_workers=self.num_workers > 0)
@@ -415,7 +503,12 @@ class SegmentationDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         if self.train_set is None:
             self.setup("fit")
-        return self._loader(self.train_set, self.batch_size, shuffle=True)
+        if self.train_samples_per_epoch is None:
+            return self._loader(self.train_set, self.batch_size, shuffle=True)
+        trainer = self.trainer  # set by Lightning; None when the datamodule is used on its own
+        replicas = dict(num_replicas=trainer.world_size, rank=trainer.global_rank) if trainer is not None else {}
+        sampler = EpochSubsetSampler(self.train_set, self.train_samples_per_epoch, seed=self.sampler_seed, **replicas)
+        return self._loader(self.train_set, self.batch_size, shuffle=False, sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
         if self.val_set is None:
@@ -480,7 +573,12 @@ class VOCSegmentation(SegmentationDataModule):
 
 
 class ADE20KSegmentation(SegmentationDataModule):
-    """ADE20K SceneParsing (ADEChallengeData2016), 150 classes; stored 0 ('other') is ignored."""
+    """ADE20K SceneParsing (ADEChallengeData2016), 150 classes; stored 0 ('other') is ignored.
+
+    The paper's protocol (Tab. S2) trains on 1,000 randomly drawn training images per epoch:
+    ``train_samples_per_epoch=1000``, as ``configs/probe_ade20k.yaml`` sets (the class default,
+    ``None``, uses all 20,210 every epoch).
+    """
 
     num_classes = len(ADE20K_CLASSES)
     class_names = ADE20K_CLASSES

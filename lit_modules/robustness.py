@@ -13,6 +13,11 @@ Command::
 
     alibi-vit robustness --checkpoint dinov2=probe_dinov2.ckpt alibi=probe_alibi.ckpt \\
         --dataset voc2012 --data.root /data/voc --csv robustness_voc12.csv
+
+Offline try-it: ``lightning fit --config configs/probe_demo.yaml`` trains a tiny probe on a
+generated set, then ``alibi-vit robustness --checkpoint runs/probe_demo/checkpoints/last.ckpt``.
+A file that is not a readable probe checkpoint (a truncated or corrupt ``.ckpt``, a
+distillation checkpoint, an exported state_dict) is a ValueError with one message.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -27,7 +33,8 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-__all__ = ["TRANSFORMS", "Transform", "evaluate_robustness", "format_table", "make_transform", "add_arguments", "run"]
+__all__ = ["TRANSFORMS", "Transform", "add_arguments", "evaluate_robustness", "format_table", "make_transform",
+           "read_probe_checkpoint", "run"]
 
 TRANSFORMS = ("none", "flip-ud", "roll", "rot90")
 
@@ -149,6 +156,52 @@ def _parse_checkpoints(specs: list[str]) -> list[tuple[str | None, Path]]:
     return out
 
 
+def _load_error(err: Exception) -> str:
+    """One line about why torch could not read a file, without torch's advice to unpickle untrusted code."""
+    text = str(err).strip()
+    if "weights only load failed" in text.lower() or "weights_only" in text:
+        return "it holds Python objects beyond tensors and plain containers, so it is no checkpoint this project wrote"
+    first = text.splitlines()[0].split(". ")[0].rstrip(".") if text else ""  # torch appends paragraphs of advice
+    return f"{type(err).__name__}{': ' + first if first else ''}"
+
+
+def read_probe_checkpoint(path) -> dict:
+    """A trained probe's Lightning checkpoint as a dict, checked to be one; else ValueError with one message.
+
+    Read with ``weights_only=True`` (tensors and plain containers only). A probe checkpoint
+    holds the head (``head.1.weight``) and the backbone's weights next to the hyper-parameters
+    ``backbone`` and ``num_classes``; anything else (a distillation run, an exported state_dict)
+    is named and refused.
+    """
+    path = Path(path)
+    with path.open("rb") as f:
+        magic = f.read(2)
+    if magic not in (b"PK", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05"):  # torch's zip, or a legacy pickle
+        raise ValueError(f"{path} is not a PyTorch checkpoint file (neither a torch.save zip archive nor a pickle); "
+                         "pass the Lightning .ckpt of a trained segmentation probe")
+    try:
+        with warnings.catch_warnings():  # torch's notes on odd pickle protocols: the checks below say what matters
+            warnings.simplefilter("ignore")
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError, ... for damaged files
+        raise ValueError(f"{path} cannot be read as a checkpoint ({_load_error(err)}); is the file complete and "
+                         "a Lightning .ckpt of a segmentation probe?") from err
+    hint = ("pass the checkpoint of a trained segmentation probe (runs/probe_*/.../checkpoints/last.ckpt from "
+            "`lightning fit --config configs/probe_voc12.yaml ...`, or configs/probe_demo.yaml to try it)")
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
+        raise ValueError(f"{path} is not a Lightning checkpoint (no 'state_dict' entry; an exported backbone "
+                         f"state_dict, perhaps): {hint}")
+    hparams = ckpt.get("hyper_parameters") or {}
+    state = ckpt["state_dict"]
+    if not ("head.1.weight" in state and "backbone" in hparams and "num_classes" in hparams):
+        class_path = hparams.get("_class_path")
+        prefixes = sorted({key.split(".", 1)[0] for key in state})
+        what = f"a checkpoint of {class_path}" if class_path else (
+            "a checkpoint without a probe head (its weights: " + ", ".join(prefixes[:6]) + ")")
+        raise ValueError(f"{path} is {what}, not of a segmentation probe: {hint}")
+    return ckpt
+
+
 def _make_datamodule(args, stored: dict):
     """The validation datamodule: ``--dataset`` or the one the probe was trained with, CLI options on top."""
     from datamodules.segmentation import SegmentationDataModule
@@ -182,16 +235,23 @@ def run(args) -> int:
 
     checkpoints = _parse_checkpoints(args.checkpoint)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    first = torch.load(checkpoints[0][1], map_location="cpu", weights_only=True)
-    stored = first.get("datamodule_hyper_parameters") or {}
-    del first
+    stored = None
+    for _, path in checkpoints:  # every file checked before the first (long) evaluation starts
+        ckpt = read_probe_checkpoint(path)
+        if stored is None:
+            stored = ckpt.get("datamodule_hyper_parameters") or {}
+        del ckpt
     datamodule = _make_datamodule(args, dict(stored))
     datamodule.setup("validate")
     loader = datamodule.val_dataloader()
 
     rows = []
     for label, path in checkpoints:
-        module = SegmentationProbeModule.load_probe(path, map_location="cpu")
+        try:
+            module = SegmentationProbeModule.load_probe(path, map_location="cpu")
+        except RuntimeError as err:  # strict loading: weights that do not fit the probe the hyper-parameters describe
+            raise ValueError(f"{path}: the stored weights do not fit the probe its hyper-parameters describe "
+                             f"({str(err).strip().splitlines()[0]})") from err
         if module.num_classes != datamodule.num_classes:
             raise ValueError(f"{path}: the probe has {module.num_classes} classes, "
                              f"{datamodule.name} has {datamodule.num_classes}")

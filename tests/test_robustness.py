@@ -141,3 +141,110 @@ def _ade_fixture(tmp_path):
     Image.fromarray(np.zeros((42, 42, 3), np.uint8)).save(base / "images/validation/a.jpg")
     Image.fromarray(np.ones((42, 42), np.uint8)).save(base / "annotations/validation/a.png")
     return tmp_path / "ade"
+
+
+# ---- the offline demo, and files that are not probe checkpoints --------------------------------------
+
+
+def test_demo_voc_writes_a_voc_layout_set(tmp_path, capsys):
+    from datamodules.demo_voc import main as demo_main
+
+    assert demo_main([str(tmp_path / "voc"), "--train", "3", "--val", "2"]) == 0
+    assert "wrote 3 training and 2 validation images" in capsys.readouterr().out
+    dm = VOCSegmentation(str(tmp_path / "voc"), image_size=28, num_workers=0)
+    dm.setup("fit")
+    assert (len(dm.train_set), len(dm.val_set)) == (3, 2)
+    labels = {int(v) for i in range(2) for v in dm.val_set[i]["label"].unique()}
+    assert 0 in labels and 255 in labels and labels <= {0, 1, 2, 3, 255}  # background, 3 colour classes, borders
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+def test_probe_demo_config_then_robustness_run_offline(tmp_path, monkeypatch, capsys):
+    """configs/probe_demo.yaml: generates its data, trains, and `alibi-vit robustness` reads its checkpoint."""
+    from pathlib import Path
+
+    import huggingface_hub
+
+    from lit_modules.cli import main as lightning_main
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # nothing may be downloaded
+    monkeypatch.chdir(tmp_path)
+    config = Path(__file__).resolve().parents[1] / "configs" / "probe_demo.yaml"
+    lightning_main(["fit", "--config", str(config), "--trainer.max_epochs=2", "--trainer.enable_progress_bar=false"])
+    assert (tmp_path / "runs/probe_demo/voc/VOCdevkit/VOC2012/ImageSets/Segmentation/val.txt").is_file()
+    ckpt = tmp_path / "runs/probe_demo/checkpoints/last.ckpt"
+    assert ckpt.is_file()
+    assert torch.load(ckpt, weights_only=True)["global_step"] == 2 * 4  # the final step: 2 epochs of 32 / 8 images
+
+    capsys.readouterr()
+    assert main(["robustness", "--checkpoint", str(ckpt), "--num-workers", "0",
+                 "--csv", "runs/probe_demo/robustness.csv"]) == 0
+    assert "mIoU on voc2012 val (8 images, 70x70 px" in capsys.readouterr().out
+    with open(tmp_path / "runs/probe_demo/robustness.csv") as f:
+        [row] = list(csv.DictReader(f))
+    assert float(row["roll"]) == float(row["none"]) > 0.3  # wrapped ALiBi: rolling changes nothing
+
+
+def _tiny_probe_checkpoint(path, voc_root):
+    probe = SegmentationProbeModule("alibi_vit_small_patch14_reg4_dinov2", backbone_kwargs=TINY,
+                                    allow_random_init=True)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=1, limit_val_batches=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(probe, datamodule=VOCSegmentation(str(voc_root), image_size=28, batch_size=2, num_workers=0))
+    trainer.save_checkpoint(path)
+    return path
+
+
+def test_corrupt_checkpoints_are_one_line_errors(voc_root, tmp_path, capsys):
+    good = _tiny_probe_checkpoint(tmp_path / "probe.ckpt", voc_root).read_bytes()
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(good[: len(good) // 2])  # a copy cut short
+    garbage = tmp_path / "garbage.ckpt"
+    garbage.write_bytes(b"PK" + bytes(range(256)) * 4)  # a zip header, then nonsense
+    pickled = tmp_path / "pickled.ckpt"  # a pickle of an arbitrary object: refused by the weights-only loader
+    import pickle
+
+    pickled.write_bytes(pickle.dumps({"state_dict": {}, "model": L.Trainer}))
+    for path in (truncated, garbage, pickled):
+        capsys.readouterr()
+        assert main(["robustness", "--checkpoint", str(path), "--data.root", str(voc_root)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"alibi-vit robustness: error: {path} cannot be read as a checkpoint"), err
+        assert "\n" not in err and "weights_only=False" not in err and "Traceback" not in err
+    text = tmp_path / "config.ckpt"
+    text.write_text("model: {}\n")  # not a PyTorch file at all
+    assert main(["robustness", "--checkpoint", str(text), "--data.root", str(voc_root)]) == 2
+    assert capsys.readouterr().err.strip() == (f"alibi-vit robustness: error: {text} is not a PyTorch checkpoint file "
+                                               "(neither a torch.save zip archive nor a pickle); pass the Lightning "
+                                               ".ckpt of a trained segmentation probe")
+
+
+def test_distillation_checkpoint_is_refused_by_name(voc_root, tmp_path, capsys):
+    from lit_modules.distillation import DistillationModule
+
+    torch.manual_seed(0)
+    module = DistillationModule(teacher="vit_small_patch14_reg4_dinov2", student="alibi_vit_small_patch14_reg4_dinov2",
+                                teacher_pretrained=False, model_kwargs=TINY, student_kwargs={"backend": "sdpa"},
+                                blank_channels=[5, 47])
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+    trainer.strategy.connect(module)
+    path = tmp_path / "distill.ckpt"
+    trainer.save_checkpoint(path)
+    assert main(["robustness", "--checkpoint", str(path), "--data.root", str(voc_root)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"alibi-vit robustness: error: {path} is a checkpoint without a probe head"), err
+    assert "(its weights: student)" in err and "\n" not in err
+
+    # the same checkpoint as the `lightning` command writes it names the module's class
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["hyper_parameters"]["_class_path"] = "lit_modules.distillation.DistillationModule"
+    torch.save(ckpt, path)
+    assert main(["robustness", "--checkpoint", str(path), "--data.root", str(voc_root)]) == 2
+    assert "is a checkpoint of lit_modules.distillation.DistillationModule, not of a segmentation probe" in \
+        capsys.readouterr().err
+
+    # an exported backbone state_dict is not a Lightning checkpoint
+    state = tmp_path / "backbone.pth"
+    torch.save(module.student.state_dict(), state)
+    assert main(["robustness", "--checkpoint", str(state), "--data.root", str(voc_root)]) == 2
+    assert "is not a Lightning checkpoint" in capsys.readouterr().err

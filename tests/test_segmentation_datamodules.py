@@ -272,3 +272,122 @@ def test_augmentation_flips_pairs_in_training_only(voc_root):
         assert torch.equal(dm.val_set[0]["label"], plain.val_set[0]["label"])
     with pytest.raises(ValueError, match="augment=False"):
         dm.attach_feature_cache(object())
+
+
+# ---- per-epoch random subsets (ADE20K protocol) and the crop augmentation ---------------------------
+
+
+def test_epoch_subset_sampler_draws_fresh_distinct_subsets_shared_out_between_processes():
+    from datamodules.segmentation import EpochSubsetSampler
+
+    data = list(range(50))
+    shards = {}
+    for epoch in range(3):
+        for rank in range(2):
+            sampler = EpochSubsetSampler(data, 20, seed=7, num_replicas=2, rank=rank)
+            sampler.set_epoch(epoch)
+            shards[epoch, rank] = list(sampler)
+            assert len(sampler) == len(shards[epoch, rank]) == 10
+    for epoch in range(3):
+        a, b = shards[epoch, 0], shards[epoch, 1]
+        assert not set(a) & set(b) and len(set(a) | set(b)) == 20  # the two processes split one draw of 20
+    draws = [set(shards[e, 0]) | set(shards[e, 1]) for e in range(3)]
+    assert draws[0] != draws[1] != draws[2]  # a fresh draw every epoch
+    # deterministic: a resumed run (new sampler, same seed and epoch) draws the same images
+    again = EpochSubsetSampler(data, 20, seed=7, num_replicas=2, rank=1)
+    again.set_epoch(2)
+    assert list(again) == shards[2, 1]
+    # uniform over the dataset: 400 epochs × 20 of 50 = 160 expected draws per image (binomial sd ≈ 10)
+    sampler = EpochSubsetSampler(data, 20, seed=0, num_replicas=1, rank=0)
+    counts = np.zeros(50)
+    for epoch in range(400):
+        sampler.set_epoch(epoch)
+        drawn = list(sampler)
+        assert len(drawn) == len(set(drawn)) == 20  # without replacement within an epoch
+        counts[drawn] += 1
+    assert counts.min() > 110 and counts.max() < 210
+
+
+def test_epoch_subset_sampler_pads_uneven_shares_and_refuses_too_many():
+    from datamodules.segmentation import EpochSubsetSampler
+
+    shares = [list(EpochSubsetSampler(list(range(30)), 10, num_replicas=3, rank=r)) for r in range(3)]
+    assert [len(s) for s in shares] == [4, 4, 4]  # 10 images over 3 processes: 2 repeated to even the shares
+    assert len(set().union(*shares)) == 10
+    with pytest.raises(ValueError, match="train_samples_per_epoch=31 must be between 1 and the 30 training images"):
+        EpochSubsetSampler(list(range(30)), 31)
+
+
+def test_datamodule_uses_the_subset_sampler_with_the_trainers_rank(voc_root):
+    from types import SimpleNamespace
+
+    from torch.utils.data import DistributedSampler
+
+    from datamodules.segmentation import EpochSubsetSampler
+
+    dm = VOCSegmentation(str(voc_root), image_size=28, batch_size=2, num_workers=0, train_samples_per_epoch=3)
+    dm.trainer = SimpleNamespace(world_size=2, global_rank=1)  # what Lightning attaches under 2-process DDP
+    sampler = dm.train_dataloader().sampler
+    # a DistributedSampler, so Lightning keeps it under DDP instead of wrapping it in its own
+    assert isinstance(sampler, EpochSubsetSampler) and isinstance(sampler, DistributedSampler)
+    assert (sampler.num_replicas, sampler.rank, len(sampler)) == (2, 1, 2)
+    plain = VOCSegmentation(str(voc_root), image_size=28, batch_size=2, num_workers=0)
+    assert not isinstance(plain.train_dataloader().sampler, DistributedSampler)  # default: every image, shuffled
+    with pytest.raises(ValueError, match="train_samples_per_epoch must be a positive"):
+        VOCSegmentation(str(voc_root), train_samples_per_epoch=0)
+
+
+def _striped_voc(root, n=2):
+    """VOC-layout images whose class is readable from the colour: vertical stripes of 3 classes, 255 borders."""
+    from datamodules.segmentation import SYNTHETIC_COLOURS
+
+    base = root / "VOCdevkit" / "VOC2012"
+    for sub in ("JPEGImages", "SegmentationClass", "ImageSets/Segmentation"):
+        (base / sub).mkdir(parents=True, exist_ok=True)
+    ids = [f"s{i}" for i in range(n)]
+    for i, image_id in enumerate(ids):
+        x = np.arange(90)[None, :].repeat(60, 0)
+        label = ((x // (12 + 5 * i)) % 3).astype(np.uint8) + 1  # classes 1..3, stripes of unequal width
+        label[:, ::(12 + 5 * i)] = IGNORE_INDEX
+        label[:20, :30] = 0  # a background block: not symmetric, so a flip of one of the pair would show
+        colours = np.array(SYNTHETIC_COLOURS, np.float32)[np.where(label == IGNORE_INDEX, 0, label)]
+        Image.fromarray((colours * 255).round().astype(np.uint8)).save(base / "JPEGImages" / f"{image_id}.jpg",
+                                                                       quality=98)
+        mask = Image.fromarray(label, mode="P")
+        mask.putpalette(voc_palette())
+        mask.save(base / "SegmentationClass" / f"{image_id}.png")
+    (base / "ImageSets/Segmentation/train.txt").write_text("\n".join(ids[:-1]))
+    (base / "ImageSets/Segmentation/val.txt").write_text(ids[-1])
+    return root
+
+
+def test_crop_flip_augmentation_keeps_image_and_label_registered(tmp_path):
+    from datamodules.segmentation import SYNTHETIC_COLOURS
+
+    root = _striped_voc(tmp_path / "striped", n=3)
+    dm = VOCSegmentation(str(root), image_size=42, augment="crop_flip", num_workers=0)
+    dm.setup("fit")
+    plain = VOCSegmentation(str(root), image_size=42, num_workers=0)
+    plain.setup("fit")
+    mean, std = torch.tensor(IMAGENET_MEAN)[:, None, None], torch.tensor(IMAGENET_STD)[:, None, None]
+    palette = torch.tensor(SYNTHETIC_COLOURS[:4])  # background + classes 1..3
+    torch.manual_seed(0)
+    random.seed(0)
+    labels = []
+    for _ in range(16):
+        item = dm.train_set[0]
+        assert item["image"].shape == (3, 42, 42) and item["label"].shape == (42, 42)
+        rgb = (item["image"] * std + mean).permute(1, 2, 0)  # back to [0, 1] colours
+        nearest = ((rgb[..., None, :] - palette) ** 2).sum(-1).argmin(-1)  # class read off the colour
+        valid = item["label"] != IGNORE_INDEX
+        # away from stripe edges (bilinear mixes colours there) the colour gives the label
+        agree = (nearest[valid] == item["label"][valid]).float().mean()
+        assert agree > 0.9, float(agree)
+        labels.append(item["label"])
+    distinct = {tuple(lab.flatten().tolist()) for lab in labels}
+    assert len(distinct) > 8  # random crops, not one fixed view
+    assert torch.equal(dm.val_set[0]["label"], plain.val_set[0]["label"])  # validation never augments
+    with pytest.raises(ValueError, match="augment=False"):
+        dm.attach_feature_cache(object())
+    with pytest.raises(ValueError, match="augment must be"):
+        VOCSegmentation(str(root), augment="jitter")

@@ -177,7 +177,7 @@ def test_feature_cache_refused_with_augmentation(voc_root, tmp_path):
 
 
 def test_bad_setups_are_clear_errors(voc_root):
-    with pytest.raises(ValueError, match="random weights"):
+    with pytest.raises(ValueError, match="random weights: pass --model.backbone_checkpoint"):
         SegmentationProbeModule("alibi_vit_small_patch14_reg4_dinov2", pretrained=False, backbone_kwargs=TINY)
     dm = VOCSegmentation(str(voc_root), image_size=42, num_workers=0)
     with pytest.raises(ValueError, match="num_classes=5 .* 21 classes"):
@@ -227,3 +227,106 @@ def test_all_probe_configs_parse_with_paper_settings(config, classes, tmp_path, 
     assert (run.trainer.max_epochs, run.datamodule.batch_size) == expected
     if config == "probe_voc07.yaml":
         assert run.datamodule.year == 2007 and run.datamodule.val_split == "val"
+    # ADE20K: 1,000 random training images per epoch (paper Tab. S2); the others use every image
+    assert run.datamodule.train_samples_per_epoch == (1000 if config == "probe_ade20k.yaml" else None)
+    # random weights only when asked for: the configs themselves say no
+    import yaml
+
+    assert yaml.safe_load((REPO / "configs" / config).read_text())["model"]["init_args"]["allow_random_init"] is False
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lit_modules.cli") is None,
+                    reason="lit_modules.cli (the `lightning` command) does not exist yet")
+def test_crop_flip_augmentation_is_selectable_from_the_command_line(tmp_path, monkeypatch):
+    from lit_modules.cli import cli
+
+    monkeypatch.chdir(tmp_path)
+    run = cli(["--config", str(REPO / "configs" / "probe_ade20k.yaml"), "--data.augment=crop_flip",
+               "--model.backbone_kwargs={depth: 1, embed_dim: 32, num_heads: 2}",
+               "--model.allow_random_init=true", "--trainer.accelerator=cpu"], run=False)
+    assert run.datamodule.augmentation == "crop_flip" and run.datamodule.augment
+
+
+def test_each_epoch_trains_on_a_fresh_random_subset(voc_root):
+    """train_samples_per_epoch through a real Trainer: Lightning sets the sampler's epoch, so draws change."""
+    dm = VOCSegmentation(str(voc_root), image_size=28, batch_size=2, num_workers=0, train_samples_per_epoch=4)
+    seen: dict[int, list] = {}
+
+    class Record(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            seen.setdefault(trainer.current_epoch, []).extend(batch["image_id"])
+
+    trainer(max_epochs=3, limit_val_batches=0, callbacks=[Record()]).fit(tiny_probe(), datamodule=dm)
+    assert sorted(seen) == [0, 1, 2]
+    for ids in seen.values():
+        assert len(ids) == len(set(ids)) == 4  # 4 distinct of the 10 training images, in 2 batches
+    assert len({frozenset(ids) for ids in seen.values()}) > 1  # not the same 4 every epoch
+
+
+# ---- pretrained weights without a network --------------------------------------------------------------
+
+
+@pytest.fixture
+def no_network(monkeypatch, tmp_path):
+    """An empty Hugging Face cache and a hub that cannot be reached; timm must never start a download."""
+    import huggingface_hub
+    import timm.models._hub as timm_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    calls = []
+
+    def unreachable(url, *args, **kwargs):
+        calls.append(url)
+        raise OSError("[Errno -2] Name or service not known")  # what a machine without DNS answers
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("timm tried to download although the weights cannot be had")
+
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", unreachable)
+    monkeypatch.setattr(timm_hub, "hf_hub_download", no_download)
+    return calls
+
+
+@pytest.mark.parametrize("backbone", ["vit_small_patch14_reg4_dinov2", "alibi_vit_small_patch14_reg4_dinov2"])
+@pytest.mark.parametrize("cause", ["no connection", "HF_HUB_OFFLINE"])
+def test_no_weights_offline_fails_at_once_naming_the_way_out(backbone, cause, no_network, monkeypatch):
+    import time
+
+    import huggingface_hub
+
+    if cause == "HF_HUB_OFFLINE":
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    start = time.perf_counter()
+    with pytest.raises(ValueError) as info:
+        SegmentationProbeModule(backbone)  # pretrained by default: DINOv2's weights from the hub
+    assert time.perf_counter() - start < 5.0  # no minute of download retries
+    message = str(info.value)
+    assert "\n" not in message and backbone in message
+    assert "--model.backbone_checkpoint" in message and "--model.allow_random_init=true" in message
+    assert ("HF_HUB_OFFLINE is set" in message) == (cause == "HF_HUB_OFFLINE")
+    assert len(no_network) == (1 if cause == "no connection" else 0)  # one request, no retries
+
+
+def test_cached_hub_weights_load_without_any_network(no_network, tmp_path):
+    """Weights in the local Hugging Face cache are read from there; the unreachable hub is never asked."""
+    import huggingface_hub
+    import timm
+    from safetensors.torch import save_file
+
+    torch.manual_seed(3)
+    source = timm.create_model("vit_small_patch14_reg4_dinov2", num_classes=0, **TINY)
+    snapshot = Path(huggingface_hub.constants.HF_HUB_CACHE) / "models--timm--vit_small_patch14_reg4_dinov2.lvd142m"
+    (snapshot / "snapshots" / "abc123").mkdir(parents=True)
+    (snapshot / "refs").mkdir()
+    (snapshot / "refs" / "main").write_text("abc123")
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()},
+              snapshot / "snapshots" / "abc123" / "model.safetensors")
+
+    torch.manual_seed(4)  # a different random init, so equality below means the file was loaded
+    probe = SegmentationProbeModule("vit_small_patch14_reg4_dinov2", backbone_kwargs=TINY)
+    assert no_network == []
+    loaded = probe.backbone.state_dict()
+    assert set(loaded) == set(source.state_dict())
+    for key, value in source.state_dict().items():
+        assert torch.equal(loaded[key], value), key
