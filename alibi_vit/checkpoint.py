@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from .models import MODEL_NAMES
 
-__all__ = ["check_model_name", "checkpoint_metadata", "create_backbone", "load_state_dict_file", "load_weights"]
+__all__ = ["read_torch_file", "check_model_name", "checkpoint_metadata", "create_backbone", "load_state_dict_file", "load_weights"]
 
 # Wrappers other tools put around a state_dict: Lightning ('state_dict'), DDP ('module.').
 _NESTING_KEYS = ("state_dict", "model")
@@ -40,6 +40,22 @@ def _load_error(err: Exception) -> str:
     return f"the file is corrupted, truncated or not a PyTorch checkpoint ({type(err).__name__})"
 
 
+def read_torch_file(path, what: str = "checkpoint"):
+    """``torch.load(path, weights_only=True)`` on the CPU; a file it cannot read is a one-line ValueError.
+
+    Only tensors and plain containers are unpickled, so no code from the file runs; the error never
+    repeats torch's advice to retry with ``weights_only=False``.
+    """
+    import warnings
+
+    try:
+        with warnings.catch_warnings():  # torch's notes on old pickle protocols: the callers check the content
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError, OSError) as err:
+        raise ValueError(f"cannot read {what} {path}: {_load_error(err)}") from None
+
+
 def load_state_dict_file(path) -> dict[str, torch.Tensor]:
     """Read a state_dict from .safetensors, .pt/.pth/.bin or a Lightning .ckpt (its 'state_dict')."""
     path = Path(path)
@@ -53,10 +69,7 @@ def load_state_dict_file(path) -> dict[str, torch.Tensor]:
         except Exception as err:  # SafetensorError and OSError: the message is short and to the point
             raise ValueError(f"cannot read checkpoint {path}: not a valid safetensors file ({err})") from None
     else:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError) as err:
-            raise ValueError(f"cannot read checkpoint {path}: {_load_error(err)}") from None
+        state = read_torch_file(path)
     for key in _NESTING_KEYS:
         if isinstance(state, dict) and key in state and isinstance(state[key], dict):
             state = state[key]

@@ -26,13 +26,9 @@ _FORMATS = (".safetensors", ".pth", ".pt")
 def _read_checkpoint(path: Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    try:
-        # Lightning checkpoints hold only tensors and plain containers; no code is unpickled.
-        import torch
+    from alibi_vit.checkpoint import read_torch_file
 
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise ValueError(f"cannot read Lightning checkpoint {path}: {type(err).__name__}: {err}") from err
+    ckpt = read_torch_file(path, what="Lightning checkpoint")
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise ValueError(f"{path} is not a Lightning checkpoint (no 'state_dict')")
     return ckpt

@@ -25,18 +25,18 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
-from tqdm.auto import tqdm
+if TYPE_CHECKING:  # torch loads on use: `alibi-vit robustness --help` answers at once
+    import torch
 
 __all__ = ["TRANSFORMS", "Transform", "add_arguments", "evaluate_robustness", "format_table", "make_transform",
            "read_probe_checkpoint", "run"]
 
 TRANSFORMS = ("none", "flip-ud", "roll", "rot90")
+DATASETS = ("ade20k", "cocostuff", "voc2007", "voc2012")  # the keys of _datamodule_classes()
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def make_transform(name: str, patch_size=(14, 14), roll=(0, 0)) -> Transform:
         return Transform(name, lambda x: x.roll((dy * ph, dx * pw), dims=(-2, -1)),
                          lambda f: f.roll((-dy, -dx), dims=(-2, -1)))
     if name == "rot90":
-        return Transform(name, lambda x: torch.rot90(x, 1, dims=(-2, -1)), lambda f: torch.rot90(f, -1, dims=(-2, -1)))
+        return Transform(name, lambda x: x.rot90(1, dims=(-2, -1)), lambda f: f.rot90(-1, dims=(-2, -1)))
     raise ValueError(f"unknown transform {name!r}; choose from {', '.join(TRANSFORMS)}")
 
 
@@ -76,6 +76,9 @@ def evaluate_robustness(module, loader, transforms=TRANSFORMS, roll=None, device
     ``roll`` = (dy, dx) patches; default: half the patch grid in both directions (the largest
     displacement on the torus).
     """
+    import torch
+    from tqdm.auto import tqdm
+
     from lit_modules.segmentation_probe import confusion_matrix, iou_from_confusion
 
     device = torch.device(device)
@@ -126,7 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", nargs="+", required=True, metavar="[LABEL=]PATH",
                         help="trained probe checkpoints (Lightning .ckpt of SegmentationProbeModule); "
                              "LABEL names the row (default: the backbone name)")
-    parser.add_argument("--dataset", choices=sorted(_datamodule_classes()), default=None,
+    parser.add_argument("--dataset", choices=DATASETS, default=None,
                         help="validation set (default: the datamodule stored in the first checkpoint, else voc2012)")
     parser.add_argument("--data.root", dest="data_root", default=None,
                         help="dataset root folder (default: the root stored in the first checkpoint)")
@@ -156,15 +159,6 @@ def _parse_checkpoints(specs: list[str]) -> list[tuple[str | None, Path]]:
     return out
 
 
-def _load_error(err: Exception) -> str:
-    """One line about why torch could not read a file, without torch's advice to unpickle untrusted code."""
-    text = str(err).strip()
-    if "weights only load failed" in text.lower() or "weights_only" in text:
-        return "it holds Python objects beyond tensors and plain containers, so it is no checkpoint this project wrote"
-    first = text.splitlines()[0].split(". ")[0].rstrip(".") if text else ""  # torch appends paragraphs of advice
-    return f"{type(err).__name__}{': ' + first if first else ''}"
-
-
 def read_probe_checkpoint(path) -> dict:
     """A trained probe's Lightning checkpoint as a dict, checked to be one; else ValueError with one message.
 
@@ -179,13 +173,9 @@ def read_probe_checkpoint(path) -> dict:
     if magic not in (b"PK", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05"):  # torch's zip, or a legacy pickle
         raise ValueError(f"{path} is not a PyTorch checkpoint file (neither a torch.save zip archive nor a pickle); "
                          "pass the Lightning .ckpt of a trained segmentation probe")
-    try:
-        with warnings.catch_warnings():  # torch's notes on odd pickle protocols: the checks below say what matters
-            warnings.simplefilter("ignore")
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError, ... for damaged files
-        raise ValueError(f"{path} cannot be read as a checkpoint ({_load_error(err)}); is the file complete and "
-                         "a Lightning .ckpt of a segmentation probe?") from err
+    from alibi_vit.checkpoint import read_torch_file
+
+    ckpt = read_torch_file(path, what="probe checkpoint")
     hint = ("pass the checkpoint of a trained segmentation probe (runs/probe_*/.../checkpoints/last.ckpt from "
             "`lightning fit --config configs/probe_voc12.yaml ...`, or configs/probe_demo.yaml to try it)")
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
@@ -231,6 +221,8 @@ def _make_datamodule(args, stored: dict):
 
 
 def run(args) -> int:
+    import torch
+
     from lit_modules.segmentation_probe import SegmentationProbeModule
 
     checkpoints = _parse_checkpoints(args.checkpoint)

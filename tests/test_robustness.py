@@ -209,7 +209,7 @@ def test_corrupt_checkpoints_are_one_line_errors(voc_root, tmp_path, capsys):
         capsys.readouterr()
         assert main(["robustness", "--checkpoint", str(path), "--data.root", str(voc_root)]) == 2
         err = capsys.readouterr().err.strip()
-        assert err.startswith(f"alibi-vit robustness: error: {path} cannot be read as a checkpoint"), err
+        assert err.startswith(f"alibi-vit robustness: error: cannot read probe checkpoint {path}: "), err
         assert "\n" not in err and "weights_only=False" not in err and "Traceback" not in err
     text = tmp_path / "config.ckpt"
     text.write_text("model: {}\n")  # not a PyTorch file at all
