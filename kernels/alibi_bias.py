@@ -1,4 +1,4 @@
-"""Geometry of the 2D wrapped, normalised ALiBi bias (SPEC.md §2).
+"""Geometry of the 2D wrapped, normalised ALiBi bias (README.md "Method" §2).
 
 Tokens are ``[prefix tokens..., P(0,0), P(0,1), ..., P(h-1,w-1)]``. For two patches the
 distance is Euclidean over row/column offsets, each offset optionally wrapped around the
@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["alibi_bias", "check_grid", "max_distance", "patch_distances"]
+__all__ = ["alibi_bias", "bias_lookup", "check_grid", "max_distance", "patch_distances"]
 
 
 def check_grid(grid_size) -> tuple[int, int]:
@@ -29,7 +29,7 @@ def check_grid(grid_size) -> tuple[int, int]:
 
 
 def max_distance(grid_size, wrap: bool = True) -> float:
-    """Largest patch-to-patch distance on the grid: the normaliser ``d_max`` of SPEC.md §2."""
+    """Largest patch-to-patch distance on the grid: the normaliser ``d_max`` of README.md "Method" §2."""
     h, w = check_grid(grid_size)
     if wrap:
         return math.hypot(h // 2, w // 2)
@@ -57,7 +57,7 @@ def patch_distances(grid_size, *, wrap: bool = True, normalize: bool = True,
 
 def alibi_bias(grid_size, num_prefix_tokens: int, *, wrap: bool = True, normalize: bool = True,
                device=None, dtype=torch.float32) -> torch.Tensor:
-    """The (N, N) bias matrix ``B`` of SPEC.md §2 with ``N = num_prefix_tokens + h·w``.
+    """The (N, N) bias matrix ``B`` of README.md "Method" §2 with ``N = num_prefix_tokens + h·w``.
 
     ``B = -d̂`` between patches and 0 for every pair involving a prefix token. No slope is
     applied. Materialising this is O(N²): the fused backends never do.
@@ -70,6 +70,50 @@ def alibi_bias(grid_size, num_prefix_tokens: int, *, wrap: bool = True, normaliz
     bias = torch.zeros(n, n, device=device, dtype=dtype)
     bias[p:, p:] = -patch_distances((h, w), wrap=wrap, normalize=normalize, device=device, dtype=dtype)
     return bias
+
+
+def bias_lookup(grid_size, num_prefix_tokens: int, *, wrap: bool = True, normalize: bool = True,
+                table: bool = True):
+    """Per-token codes from which the fused kernel derives ``B`` tile by tile, without an (N, N) array.
+
+    Returns ``(codes, values, q_pad, k_pad, bias_norm)`` on the CPU, codes int64 of shape (2, N).
+
+    ``table=True``: a difference table. Query ``i`` gets ``codes[0, i] = C + row_i·(2w-1) + col_i``
+    and key ``j`` gets ``codes[1, j] = row_j·(2w-1) + col_j`` with ``C = (h-1)(2w-1) + (w-1)``, so
+    ``values[codes[0, i] - codes[1, j]] = B_ij``: ``values`` (float64) is the (2h-1)×(2w-1) array
+    of ``-d̂`` over row/column offsets (wrap and normalisation applied), followed by ``2C+2`` zeros
+    that the prefix codes ``q_pad`` (queries) and ``k_pad`` (keys) land in against any token;
+    ``bias_norm`` is 1. ``table=False``: codes are (row, col) per token, row -1 for prefix
+    tokens, ``values`` is unused, and ``bias_norm`` is the ``1/d_max`` the kernel applies to ``-d``.
+    """
+    h, w = check_grid(grid_size)
+    prefix = int(num_prefix_tokens)
+    n = prefix + h * w
+    p = torch.arange(h * w, dtype=torch.int64)
+    row, col = p // w, p % w
+    d_max = max_distance((h, w), wrap)
+    # 1×1 grid: d_max = 0 and d̂ is defined as 0.
+    norm = (1.0 / d_max if d_max > 0 else 0.0) if normalize else 1.0
+    codes = torch.empty(2, n, dtype=torch.int64)
+    if table:
+        w2 = 2 * w - 1
+        center = (h - 1) * w2 + (w - 1)
+        q_pad, k_pad = 3 * center + 1, -(center + 1)
+        codes[0, :prefix], codes[1, :prefix] = q_pad, k_pad
+        codes[0, prefix:] = center + row * w2 + col
+        codes[1, prefix:] = row * w2 + col
+        dy = torch.arange(-(h - 1), h, dtype=torch.float64).abs()
+        dx = torch.arange(-(w - 1), w, dtype=torch.float64).abs()
+        if wrap:
+            dy = torch.minimum(dy, h - dy)
+            dx = torch.minimum(dx, w - dx)
+        core = -(dy[:, None] ** 2 + dx[None, :] ** 2).sqrt().flatten() * norm
+        values = torch.cat([core, torch.zeros(2 * center + 2, dtype=torch.float64)])
+        return codes, values, int(q_pad), int(k_pad), 1.0
+    codes[0, :prefix], codes[1, :prefix] = -1, 0
+    codes[0, prefix:], codes[1, prefix:] = row, col
+    # q_pad/k_pad are unused: the kernel treats row -1 as a prefix token.
+    return codes, torch.zeros(1, dtype=torch.float64), 0, 0, float(norm)
 
 
 @lru_cache(maxsize=16)

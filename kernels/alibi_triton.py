@@ -1,4 +1,4 @@
-"""Fused Triton attention with the 2D wrapped ALiBi bias of SPEC.md §2.
+"""Fused Triton attention with the 2D wrapped ALiBi bias of README.md "Method" §2.
 
 Algorithm
 ---------
@@ -20,12 +20,18 @@ The bias is derived per tile, never materialised. Two interchangeable ways (``bi
 * ``"table"`` (default): a difference table. Each query gets a code
   ``a_i = C + row_i·(2w-1) + col_i`` and each key ``b_j = row_j·(2w-1) + col_j`` with
   ``C = (h-1)(2w-1) + (w-1)``; then ``a_i - b_j`` is the row-major index of the offset
-  ``(row_i-row_j, col_i-col_j)`` in a ``(2h-1)×(2w-1)`` table that already holds ``-d̂``
-  with wrapping and normalisation applied. Prefix (and out-of-range) tokens get codes that
-  land in an appended run of zeros. Per element that is one integer subtraction and one
-  gathered (computed-offset) load from a table of O(h·w) floats that stays in L1/L2 — no
-  abs/min/sqrt — which matters because at head_dim 64 the MUFU unit is already as busy
-  with ``exp2`` as the tensor cores are with the two matmuls.
+  ``(row_i-row_j, col_i-col_j)`` in a ``(2h-1)×(2w-1)`` table of ``-d̂`` with wrapping and
+  normalisation applied. Prefix (and out-of-range) tokens get codes that land in an appended
+  run of zeros. Each call scales the table per head by ``m_h·log2(e)`` (a (heads, O(h·w))
+  array), and each program turns the codes of its resident tile into pointers once, outside
+  its loop (``Tbl + a_i``, or ``Tbl - b_j`` in the dK/dV kernel). Per element that leaves one
+  64-bit multiply-add for the address, one gathered load from a table that stays in L1/L2,
+  and one add into the logits — no abs/min/sqrt, no multiply by the slope — which matters
+  because at head_dim 64 the MUFU unit is already as busy with ``exp2`` as the tensor cores
+  are with the two matmuls. The slope gradient (learned slopes only) gathers ``B`` from the
+  unscaled table as well. With one slope for every head (``slopes=None``, the default) the bias
+  is the same for all heads: forward and dQ programs then compute two heads (``HEAD_PAIR``) and
+  each gathered value serves both (16-bit inputs, head_dim <= 64, even head counts).
 * ``"sqrt"``: rows and columns per token, then ``|Δ|``, wrap, ``sqrt`` per element. No
   gathered loads, but ~12 ALU ops and a second MUFU op per element. Kept as a switch
   (environment ``ALIBI_TRITON_BIAS=sqrt`` or ``bias_mode="sqrt"``) because which one wins is
@@ -43,9 +49,18 @@ Backward (non-causal, no atomics, so bitwise deterministic for a given block con
    accumulates ``Σ_i dS_ij·B_ij`` per key token into a (B, heads, N) buffer; torch sums that
    to ``dL/dm_h = Σ_ij dS_ij·B_ij``.
 3. dQ kernel: a program keeps one query tile and loops over key tiles: ``dQ += dS K · scale``.
+   Skipped entirely when q needs no gradient.
+
+Static cost (``benchmarks/bench_kernel_sass.py``): every kernel has a constexpr ``HAS_BIAS``
+(default True) that compiles the bias out; the benchmark compiles both for sm_90 without a GPU
+and compares SASS instructions per score, registers, spills and CTAs per SM like for like.
+
+Inputs: inside ``torch.autocast`` the op runs in the autocast dtype (like SDPA). fp32 inputs use
+exact fp32 products under ``torch.get_float32_matmul_precision() == "highest"`` (a correctness
+path: no tensor cores, small tiles; ``backend="auto"`` picks SDPA then) and tf32 otherwise.
 
 Extra memory: the (B, heads, N) fp32 logsumexp, Δ and (optionally) slope partials, plus the
-O(h·w) table — all O(N). Inputs may have any strides (e.g. q, k, v as views of timm's fused
+O(heads·h·w) tables — all O(N). Inputs may have any strides (e.g. q, k, v as views of timm's fused
 qkv projection); ``O`` and the gradients are written in (B, N, heads, D) memory order, so a
 following ``transpose(1, 2).reshape(B, N, heads·D)`` is free.
 
@@ -72,7 +87,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .alibi_bias import check_grid, max_distance
+from .alibi_bias import bias_lookup, check_grid
 
 __all__ = ["BIAS_MODES", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "triton_alibi_attention"]
 
@@ -98,41 +113,64 @@ def _cfg(block_m, block_n, warps, stages):
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
 
 
-_SMALL_D, _ALL_D, _LARGE_D = (16, 32, 64), (16, 32, 64, 128), (128,)
-
-
-def _offer(dims=_ALL_D, table=(True, False), fp32=False):
-    """Which calls a config is offered to: head_dims, bias modes (TABLE), fp32 or 16-bit inputs."""
-    return lambda head_dim, is_table, is_fp32: head_dim in dims and is_table in table and is_fp32 == fp32
-
-
-# (config, offer) in order of preference: with ALIBI_TRITON_AUTOTUNE=0 the first config offered
-# to a call is used. In the backward kernels BLOCK_N is the resident key tile of the dK/dV
-# kernel and BLOCK_M the resident query tile of the dQ kernel. The lists keep tiles that
-# compiled for sm_90 (triton 3.9) without register spills and within shared memory: e.g. a
-# 128x128 forward tile spills in table mode (the gathered bias needs a 64-bit address per
-# element) but not in sqrt mode. fp32 inputs use exact ("ieee") products, which do not use
-# tensor cores and need far more registers: small tiles only, and even those spill on sm_90
-# (triton 3.6 and 3.9); fp32 is a correctness path.
-_FWD_CONFIGS = [(_cfg(128, 64, 8, 3), _offer(_SMALL_D)), (_cfg(64, 64, 4, 3), _offer()),
-                (_cfg(128, 128, 8, 2), _offer(_SMALL_D, table=(False,))), (_cfg(64, 64, 4, 2), _offer()),
-                (_cfg(128, 64, 8, 4), _offer(_SMALL_D)), (_cfg(128, 64, 8, 3), _offer(_LARGE_D, table=(False,))),
-                (_cfg(32, 32, 4, 2), _offer(fp32=True)), (_cfg(64, 32, 4, 2), _offer(fp32=True))]
-_DKDV_CONFIGS = [(_cfg(64, 128, 8, 2), _offer(_SMALL_D)), (_cfg(64, 64, 8, 2), _offer()),
-                 (_cfg(64, 64, 4, 3), _offer(_SMALL_D)), (_cfg(32, 64, 4, 3), _offer()),
-                 (_cfg(32, 32, 4, 2), _offer(fp32=True)), (_cfg(32, 64, 4, 2), _offer(fp32=True))]
-_DQ_CONFIGS = [(_cfg(128, 64, 8, 2), _offer(_SMALL_D)), (_cfg(64, 64, 8, 2), _offer()),
-               (_cfg(128, 32, 4, 3), _offer(_SMALL_D)), (_cfg(64, 64, 4, 3), _offer()), (_cfg(64, 32, 4, 3), _offer()),
-               (_cfg(128, 128, 8, 2), _offer(_SMALL_D)), (_cfg(128, 64, 8, 2), _offer(_LARGE_D)),
-               (_cfg(32, 32, 4, 2), _offer(fp32=True)), (_cfg(64, 32, 4, 2), _offer(fp32=True))]
+# Launch configs per kernel and call class, in order of preference: with ALIBI_TRITON_AUTOTUNE=0
+# the first is used. A call's class is (head_dim <= 64 ? "small" : "large", bias mode), or "fp32"
+# for fp32 inputs. In the backward kernels BLOCK_N is the resident key tile of the dK/dV kernel
+# and BLOCK_M the resident query tile of the dQ kernel. Registers, spills and instructions per
+# score of every entry are measured by benchmarks/bench_kernel_sass.py (sm_90, triton 3.9;
+# benchmarks/results/kernel_sass_sm90.md), which chose the first entries. Table mode, 16-bit:
+# no spills at head_dim <= 64 (head pairs included); at 128 the first forward and dK/dV configs
+# spill 48 and 8 bytes, none of them reloaded inside the main loop (as every 64-wide key tile
+# there spills: narrower tiles cost more instructions per score).
+# A 128x128 tile spills heavily in table mode. fp32 inputs with exact ("ieee") products use no
+# tensor cores and far more registers: small tiles only, and even those spill; fp32 is a
+# correctness path.
+_FWD_CONFIGS = {
+    ("small", "table"): [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 2), _cfg(128, 64, 8, 4)],
+    ("small", "sqrt"): [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 128, 8, 2), _cfg(64, 64, 4, 2),
+                        _cfg(128, 64, 8, 4)],
+    ("large", "table"): [_cfg(64, 64, 4, 2), _cfg(64, 64, 4, 3)],
+    ("large", "sqrt"): [_cfg(64, 64, 4, 3), _cfg(64, 64, 4, 2), _cfg(128, 64, 8, 3)],
+    "fp32": [_cfg(32, 32, 4, 2), _cfg(64, 32, 4, 2)],
+}
+_DKDV_CONFIGS = {
+    ("small", "table"): [_cfg(64, 128, 8, 2), _cfg(64, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3)],
+    ("small", "sqrt"): [_cfg(64, 128, 8, 2), _cfg(64, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3)],
+    ("large", "table"): [_cfg(32, 64, 4, 3), _cfg(64, 64, 8, 2)],
+    ("large", "sqrt"): [_cfg(64, 64, 8, 2), _cfg(32, 64, 4, 3)],
+    "fp32": [_cfg(32, 32, 4, 2), _cfg(32, 64, 4, 2)],
+}
+_DQ_CONFIGS = {
+    ("small", "table"): [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 2), _cfg(64, 64, 8, 2), _cfg(64, 32, 4, 3)],
+    ("small", "sqrt"): [_cfg(128, 64, 8, 2), _cfg(64, 64, 8, 2), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3),
+                        _cfg(64, 32, 4, 3), _cfg(128, 128, 8, 2)],
+    ("large", "table"): [_cfg(128, 64, 8, 2), _cfg(64, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3)],
+    ("large", "sqrt"): [_cfg(64, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3), _cfg(128, 64, 8, 2)],
+    "fp32": [_cfg(32, 32, 4, 2), _cfg(64, 32, 4, 2)],
+}
+_CONFIGS = {"fwd": _FWD_CONFIGS, "dkdv": _DKDV_CONFIGS, "dq": _DQ_CONFIGS}
 # The interpreter runs programs one by one on the CPU: small, unequal tiles keep tests fast and
 # still exercise several blocks, partial tail blocks and BLOCK_M != BLOCK_N.
 _INTERPRET_CONFIGS = {"fwd": [_cfg(16, 32, 4, 1)], "dkdv": [_cfg(32, 16, 4, 1)], "dq": [_cfg(16, 32, 4, 1)]}
 
 
-def _gpu_autotune(tagged):
-    """Autotuner over the (config, offer) list; tests call its pruning, which the interpreter skips."""
-    offer_of = {id(cfg): offer for cfg, offer in tagged}
+def _config_key(cfg):
+    return cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages
+
+
+def gpu_launch_configs(kind, head_dim, table=True, fp32=False):
+    """The GPU launch configs offered to one call of kernel ``kind`` ("fwd", "dkdv", "dq"), in order of
+    preference: the first is the one used with ``ALIBI_TRITON_AUTOTUNE=0``."""
+    return _CONFIGS[kind]["fp32" if fp32 else ("small" if head_dim <= 64 else "large", "table" if table else "sqrt")]
+
+
+def _gpu_autotune(kind, extra_key=()):
+    """Autotuner over all of a kernel's configs; its pruning keeps the call's list (tests call it, the
+    interpreter never does)."""
+    unique = {}
+    for configs in _CONFIGS[kind].values():
+        for cfg in configs:
+            unique.setdefault(_config_key(cfg), cfg)
 
     # Triton (3.x) calls this as early_config_prune(configs, positional args by name, **keyword args):
     # the tensors arrive in named_args, the constexprs passed by keyword in kwargs.
@@ -140,20 +178,21 @@ def _gpu_autotune(tagged):
         args = {**named_args, **kwargs}
         if not {"HEAD_DIM", "TABLE", "Q"} <= args.keys():  # an autotuner that passes no meta-args
             return list(configs)
-        call = (args["HEAD_DIM"], bool(args["TABLE"]), args["Q"].dtype == torch.float32)
-        offered = [c for c in configs if offer_of[id(c)](*call)] or list(configs)
+        by_key = {_config_key(c): c for c in configs}
+        wanted = gpu_launch_configs(kind, args["HEAD_DIM"], bool(args["TABLE"]), args["Q"].dtype == torch.float32)
+        offered = [by_key[_config_key(c)] for c in wanted if _config_key(c) in by_key] or list(configs)
         return offered if _AUTOTUNE else offered[:1]
 
     # Configs that still exceed a device's resources are skipped by the autotuner itself.
-    return triton.autotune(configs=[cfg for cfg, _ in tagged],
-                           key=["N", "HEAD_DIM", "TABLE", "WRAP", "COMPUTE_DSLOPE"],
+    return triton.autotune(configs=list(unique.values()),
+                           key=["N", "HEAD_DIM", "TABLE", "WRAP", "COMPUTE_DSLOPE", "DOT_PREC", *extra_key],
                            prune_configs_by={"early_config_prune": prune})
 
 
-def _autotune(kind, tagged):
+def _autotune(kind):
     if _INTERPRET:
         return triton.autotune(configs=_INTERPRET_CONFIGS[kind], key=["N", "HEAD_DIM"])
-    return _gpu_autotune(tagged)
+    return _gpu_autotune(kind, ("HEAD_PAIR",) if kind in ("fwd", "dq") else ())
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,16 +223,17 @@ def _load_codes(Codes, offs, N, pad, IS_KEY: tl.constexpr, TABLE: tl.constexpr):
 @triton.jit
 def _bias_tile(qa, qb, ka, kb, Tbl, h, w,
                TABLE: tl.constexpr, WRAP: tl.constexpr, KEYS_FIRST: tl.constexpr):
-    """fp32 tile of B = -d̂ (table) or -d (sqrt; the caller applies 1/d_max).
+    """fp32 tile of the bias: the table's values (table), or B = -d (sqrt; see _scaled_bias).
 
     Shape (queries, keys), or (keys, queries) when KEYS_FIRST.
     """
     if TABLE:
+        # The resident side arrives as pointers (Tbl + query code, or Tbl - key code), built once
+        # outside the loop: one 64-bit multiply-add per element forms the address.
         if KEYS_FIRST:
-            idx = qa[None, :] - ka[:, None]
+            bias = tl.load(ka[:, None] + qa[None, :])
         else:
-            idx = qa[:, None] - ka[None, :]
-        bias = tl.load(Tbl + idx)
+            bias = tl.load(qa[:, None] - ka[None, :])
     else:
         if KEYS_FIRST:
             dy = ka[:, None] - qa[None, :]
@@ -213,16 +253,38 @@ def _bias_tile(qa, qb, ka, kb, Tbl, h, w,
     return bias
 
 
+@triton.jit
+def _scaled_bias(bias, b_scale, TABLE: tl.constexpr):
+    """The bias term of the base-2 logits: the per-head table already holds slope·log2(e)·B."""
+    if TABLE:
+        return bias
+    else:
+        return bias * b_scale
+
+
 # --------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, qa, qb, start_n, K, V, Codes, Tbl,
-              stride_kn, stride_kd, stride_vn, stride_vd,
-              N, h, w, k_pad, qk_scale, b_scale,
-              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
-              TABLE: tl.constexpr, WRAP: tl.constexpr, DOT_PREC: tl.constexpr):
+def _row_bias(qa, qb, start_n, Codes, Tbl, N, h, w, k_pad, b_scale,
+              BLOCK_N: tl.constexpr, TABLE: tl.constexpr, WRAP: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The bias term of the base-2 logits of the resident query rows against keys start_n.. (forward
+    and dQ kernels), or 0.0 when the bias is compiled out."""
+    if HAS_BIAS:
+        ka, kb = _load_codes(Codes, start_n + tl.arange(0, BLOCK_N), N, k_pad, True, TABLE)
+        return _scaled_bias(_bias_tile(qa, qb, ka, kb, Tbl, h, w, TABLE, WRAP, False), b_scale, TABLE)
+    else:
+        return 0.0
+
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, bias, qa, qb, start_n, K, V, Codes, Tbl,
+              stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+              TABLE: tl.constexpr, WRAP: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr):
+    """One key tile of one head. GATHER: derive the bias tile here, after the QK product (so it is not
+    live across it), and return it; otherwise use ``bias`` (the first head's, in a head pair)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     kt_ptrs = K + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn
@@ -234,10 +296,10 @@ def _fwd_tile(acc, l_i, m_i, q, qa, qb, start_n, K, V, Codes, Tbl,
     else:
         kt = tl.load(kt_ptrs)
         v = tl.load(v_ptrs)
-    ka, kb = _load_codes(Codes, offs_n, N, k_pad, True, TABLE)
     qk = tl.dot(q, kt, input_precision=DOT_PREC)
-    bias = _bias_tile(qa, qb, ka, kb, Tbl, h, w, TABLE, WRAP, False)
-    s = qk * qk_scale + bias * b_scale
+    if GATHER:
+        bias = _row_bias(qa, qb, start_n, Codes, Tbl, N, h, w, k_pad, b_scale, BLOCK_N, TABLE, WRAP, HAS_BIAS)
+    s = qk * qk_scale + bias
     if MASK_N:
         # Keys past N must not enter the softmax (their loaded values are zeros, not -inf).
         s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -247,7 +309,15 @@ def _fwd_tile(acc, l_i, m_i, q, qa, qb, start_n, K, V, Codes, Tbl,
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc=acc, input_precision=DOT_PREC)
-    return acc, l_i, m_new
+    return acc, l_i, m_new, bias
+
+
+@triton.jit
+def _fwd_store(acc, l_i, m_i, O, LSE, offs_m, offs_d, mask_m, stride_on, stride_od):
+    out = acc * (1.0 / l_i)[:, None]
+    tl.store(O + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
+             mask=mask_m[:, None])
+    tl.store(LSE + offs_m, m_i + tl.log2(l_i), mask=mask_m)
 
 
 @triton.jit
@@ -256,12 +326,17 @@ def _alibi_fwd_kernel(Q, K, V, O, LSE, Slopes, Codes, Tbl,
                       stride_kb, stride_kh, stride_kn, stride_kd,
                       stride_vb, stride_vh, stride_vn, stride_vd,
                       stride_ob, stride_oh, stride_on, stride_od,
-                      H, N, h, w, q_pad, k_pad, qk_scale, bias_scale,
+                      H, N, h, w, q_pad, k_pad, tbl_stride, qk_scale, bias_scale,
                       HEAD_DIM: tl.constexpr, TABLE: tl.constexpr, WRAP: tl.constexpr,
                       COMPUTE_DSLOPE: tl.constexpr, DOT_PREC: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr = True,
+                      HEAD_PAIR: tl.constexpr = False):
+    # HEAD_PAIR: the program also computes head off_h + 1 with the same bias tile (table mode with
+    # one slope for all heads), so each gathered bias value serves two heads' scores.
     pid_m = tl.program_id(0)
     off_h = tl.program_id(1)
+    if HEAD_PAIR:
+        off_h = off_h * 2
     off_b = tl.program_id(2).to(tl.int64)
     # int64 base offsets: a fused qkv view of a large batch exceeds 2**31 elements.
     Q += off_b * stride_qb + off_h.to(tl.int64) * stride_qh
@@ -274,26 +349,41 @@ def _alibi_fwd_kernel(Q, K, V, O, LSE, Slopes, Codes, Tbl,
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_m = offs_m < N
-    q = tl.load(Q + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, mask=mask_m[:, None], other=0.0)
+    q_off = offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd
+    q = tl.load(Q + q_off, mask=mask_m[:, None], other=0.0)
     qa, qb = _load_codes(Codes, offs_m, N, q_pad, False, TABLE)
+    if TABLE:
+        qa = Tbl + off_h * tbl_stride + qa
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if HEAD_PAIR:
+        q2 = tl.load(Q + stride_qh + q_off, mask=mask_m[:, None], other=0.0)
+        m2 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # Full key tiles need no per-element mask; only the last partial tile pays for one.
     n_full = (N // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, qa, qb, start_n, K, V, Codes, Tbl,
-                                  stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
-                                  HEAD_DIM, BLOCK_N, False, TABLE, WRAP, DOT_PREC)
+        acc, l_i, m_i, bias = _fwd_tile(acc, l_i, m_i, q, 0.0, qa, qb, start_n, K, V, Codes, Tbl,
+                                        stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+                                        HEAD_DIM, BLOCK_N, False, DOT_PREC, TABLE, WRAP, HAS_BIAS, True)
+        if HEAD_PAIR:
+            acc2, l2, m2, _ = _fwd_tile(acc2, l2, m2, q2, bias, qa, qb, start_n, K + stride_kh, V + stride_vh, Codes,
+                                        Tbl, stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale,
+                                        b_scale, HEAD_DIM, BLOCK_N, False, DOT_PREC, TABLE, WRAP, HAS_BIAS, False)
     if n_full < N:
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, qa, qb, n_full, K, V, Codes, Tbl,
-                                  stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
-                                  HEAD_DIM, BLOCK_N, True, TABLE, WRAP, DOT_PREC)
-    out = acc * (1.0 / l_i)[:, None]
-    tl.store(O + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
-             mask=mask_m[:, None])
-    tl.store(LSE + offs_m, m_i + tl.log2(l_i), mask=mask_m)
+        acc, l_i, m_i, bias = _fwd_tile(acc, l_i, m_i, q, 0.0, qa, qb, n_full, K, V, Codes, Tbl,
+                                        stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+                                        HEAD_DIM, BLOCK_N, True, DOT_PREC, TABLE, WRAP, HAS_BIAS, True)
+        if HEAD_PAIR:
+            acc2, l2, m2, _ = _fwd_tile(acc2, l2, m2, q2, bias, qa, qb, n_full, K + stride_kh, V + stride_vh, Codes,
+                                        Tbl, stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale,
+                                        b_scale, HEAD_DIM, BLOCK_N, True, DOT_PREC, TABLE, WRAP, HAS_BIAS, False)
+    _fwd_store(acc, l_i, m_i, O, LSE, offs_m, offs_d, mask_m, stride_on, stride_od)
+    if HEAD_PAIR:
+        _fwd_store(acc2, l2, m2, O + stride_oh, LSE + N, offs_m, offs_d, mask_m, stride_on, stride_od)
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,12 +410,12 @@ def _bwd_preprocess_kernel(O, DO, Delta,
 
 
 @triton.jit
-def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, offs_n, Q, DO, LSE, Delta, Codes, Tbl,
+def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, LSE, Delta, Codes, Tbl,
                stride_qn, stride_qd, stride_don, stride_dod,
                N, h, w, q_pad, qk_scale, b_scale,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK_N: tl.constexpr,
                TABLE: tl.constexpr, WRAP: tl.constexpr, COMPUTE_DSLOPE: tl.constexpr,
-               DOT_PREC: tl.constexpr):
+               DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(0, N, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -336,10 +426,14 @@ def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, offs_n, Q, DO, LSE, Delta, Codes, Tbl,
         # lse = +inf for queries past N makes their probabilities exactly 0: no element mask needed.
         lse = tl.load(LSE + offs_m, mask=mask_m, other=float("inf"))
         delta = tl.load(Delta + offs_m, mask=mask_m, other=0.0)
-        qa, qb = _load_codes(Codes, offs_m, N, q_pad, False, TABLE)
+        if HAS_BIAS:
+            qa, qb = _load_codes(Codes, offs_m, N, q_pad, False, TABLE)
         qkt = tl.dot(k, qt, input_precision=DOT_PREC)
-        bias_t = _bias_tile(qa, qb, ka, kb, Tbl, h, w, TABLE, WRAP, True)
-        pt = tl.exp2(qkt * qk_scale + bias_t * b_scale - lse[None, :])
+        if HAS_BIAS:
+            bias_t = _bias_tile(qa, qb, ka, kb, Tbl, h, w, TABLE, WRAP, True)
+            pt = tl.exp2(qkt * qk_scale + _scaled_bias(bias_t, b_scale, TABLE) - lse[None, :])
+        else:
+            pt = tl.exp2(qkt * qk_scale - lse[None, :])
         if MASK_N:
             # Keys past N were loaded as zeros; their p could overflow and poison dslope.
             pt = tl.where((offs_n < N)[:, None], pt, 0.0)
@@ -347,22 +441,24 @@ def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, offs_n, Q, DO, LSE, Delta, Codes, Tbl,
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         dst = pt * (dpt - delta[None, :])
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), acc=dk, input_precision=DOT_PREC)
-        if COMPUTE_DSLOPE:
+        if COMPUTE_DSLOPE and HAS_BIAS:
+            if TABLE:  # dL/dm needs B itself: gather it from the unscaled table
+                bias_t = _bias_tile(qa, qb, ku, kb, Tbl, h, w, TABLE, WRAP, True)
             dsl += tl.sum(dst * bias_t, 1)
     return dk, dv, dsl
 
 
 @triton.jit
-def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, Delta, DSL, Slopes, Codes, Tbl,
+def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, Delta, DSL, Slopes, Codes, Tbl, TblU,
                            stride_qb, stride_qh, stride_qn, stride_qd,
                            stride_kb, stride_kh, stride_kn, stride_kd,
                            stride_vb, stride_vh, stride_vn, stride_vd,
                            stride_dob, stride_doh, stride_don, stride_dod,
                            stride_gb, stride_gh, stride_gn, stride_gd,
-                           H, N, h, w, q_pad, k_pad, qk_scale, sm_scale, bias_scale, bias_norm,
+                           H, N, h, w, q_pad, k_pad, tbl_stride, qk_scale, sm_scale, bias_scale, bias_norm,
                            HEAD_DIM: tl.constexpr, TABLE: tl.constexpr, WRAP: tl.constexpr,
                            COMPUTE_DSLOPE: tl.constexpr, DOT_PREC: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr = True):
     pid_n = tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2).to(tl.int64)
@@ -384,19 +480,23 @@ def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, Delta, DSL, Slopes, Codes, 
     k = tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=mask_n[:, None], other=0.0)
     v = tl.load(V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=mask_n[:, None], other=0.0)
     ka, kb = _load_codes(Codes, offs_n, N, k_pad, True, TABLE)
+    ku = ka
+    if TABLE:
+        ku = TblU - ka
+        ka = Tbl + off_h * tbl_stride - ka
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dsl = tl.zeros([BLOCK_N], dtype=tl.float32)
     # Only the program holding the last, partial key tile needs the per-element key mask.
     if pid_n * BLOCK_N + BLOCK_N <= N:
-        dk, dv, dsl = _dkdv_loop(dk, dv, dsl, k, v, ka, kb, offs_n, Q, DO, LSE, Delta, Codes, Tbl,
+        dk, dv, dsl = _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, LSE, Delta, Codes, Tbl,
                                  stride_qn, stride_qd, stride_don, stride_dod, N, h, w, q_pad, qk_scale, b_scale,
-                                 HEAD_DIM, BLOCK_M, False, TABLE, WRAP, COMPUTE_DSLOPE, DOT_PREC)
+                                 HEAD_DIM, BLOCK_M, False, TABLE, WRAP, COMPUTE_DSLOPE, DOT_PREC, HAS_BIAS)
     else:
-        dk, dv, dsl = _dkdv_loop(dk, dv, dsl, k, v, ka, kb, offs_n, Q, DO, LSE, Delta, Codes, Tbl,
+        dk, dv, dsl = _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, LSE, Delta, Codes, Tbl,
                                  stride_qn, stride_qd, stride_don, stride_dod, N, h, w, q_pad, qk_scale, b_scale,
-                                 HEAD_DIM, BLOCK_M, True, TABLE, WRAP, COMPUTE_DSLOPE, DOT_PREC)
+                                 HEAD_DIM, BLOCK_M, True, TABLE, WRAP, COMPUTE_DSLOPE, DOT_PREC, HAS_BIAS)
     g_off = offs_n[:, None] * stride_gn + offs_d[None, :] * stride_gd
     tl.store(DK + g_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=mask_n[:, None])
     tl.store(DV + g_off, dv.to(DV.dtype.element_ty), mask=mask_n[:, None])
@@ -406,11 +506,11 @@ def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, Delta, DSL, Slopes, Codes, 
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse, delta, qa, qb, start_n, K, V, Codes, Tbl,
-             stride_kn, stride_kd, stride_vn, stride_vd,
-             N, h, w, k_pad, qk_scale, b_scale,
-             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
-             TABLE: tl.constexpr, WRAP: tl.constexpr, DOT_PREC: tl.constexpr):
+def _dq_tile(dq, q, do, lse, delta, bias, qa, qb, start_n, K, V, Codes, Tbl,
+             stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+             TABLE: tl.constexpr, WRAP: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr):
+    """One key tile of one head's dQ; GATHER as in _fwd_tile."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     kt_ptrs = K + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn
@@ -422,16 +522,26 @@ def _dq_tile(dq, q, do, lse, delta, qa, qb, start_n, K, V, Codes, Tbl,
     else:
         kt = tl.load(kt_ptrs)
         vt = tl.load(vt_ptrs)
-    ka, kb = _load_codes(Codes, offs_n, N, k_pad, True, TABLE)
     qk = tl.dot(q, kt, input_precision=DOT_PREC)
-    bias = _bias_tile(qa, qb, ka, kb, Tbl, h, w, TABLE, WRAP, False)
-    p = tl.exp2(qk * qk_scale + bias * b_scale - lse[:, None])
+    if GATHER:
+        bias = _row_bias(qa, qb, start_n, Codes, Tbl, N, h, w, k_pad, b_scale, BLOCK_N, TABLE, WRAP, HAS_BIAS)
+    p = tl.exp2(qk * qk_scale + bias - lse[:, None])
     if MASK_N:
         p = tl.where(mask_n[None, :], p, 0.0)
     dp = tl.dot(do, vt, input_precision=DOT_PREC)
     ds = p * (dp - delta[:, None])
     dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), acc=dq, input_precision=DOT_PREC)
-    return dq
+    return dq, bias
+
+
+@triton.jit
+def _dq_head(Q, DO, LSE, Delta, offs_m, offs_d, mask_m, stride_qn, stride_qd, stride_don, stride_dod):
+    """The resident query-side tiles of one head: q, dO, logsumexp, Δ."""
+    q = tl.load(Q + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, mask=mask_m[:, None], other=0.0)
+    do = tl.load(DO + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod, mask=mask_m[:, None], other=0.0)
+    lse = tl.load(LSE + offs_m, mask=mask_m, other=float("inf"))
+    delta = tl.load(Delta + offs_m, mask=mask_m, other=0.0)
+    return q, do, lse, delta
 
 
 @triton.jit
@@ -441,12 +551,16 @@ def _alibi_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta, Slopes, Codes, Tbl,
                          stride_vb, stride_vh, stride_vn, stride_vd,
                          stride_dob, stride_doh, stride_don, stride_dod,
                          stride_gb, stride_gh, stride_gn, stride_gd,
-                         H, N, h, w, q_pad, k_pad, qk_scale, sm_scale, bias_scale,
+                         H, N, h, w, q_pad, k_pad, tbl_stride, qk_scale, sm_scale, bias_scale,
                          HEAD_DIM: tl.constexpr, TABLE: tl.constexpr, WRAP: tl.constexpr,
                          COMPUTE_DSLOPE: tl.constexpr, DOT_PREC: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr = True,
+                         HEAD_PAIR: tl.constexpr = False):
+    # HEAD_PAIR as in the forward: heads off_h and off_h + 1 share each gathered bias tile.
     pid_m = tl.program_id(0)
     off_h = tl.program_id(1)
+    if HEAD_PAIR:
+        off_h = off_h * 2
     off_b = tl.program_id(2).to(tl.int64)
     Q += off_b * stride_qb + off_h.to(tl.int64) * stride_qh
     K += off_b * stride_kb + off_h.to(tl.int64) * stride_kh
@@ -459,29 +573,43 @@ def _alibi_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta, Slopes, Codes, Tbl,
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_m = offs_m < N
-    q = tl.load(Q + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, mask=mask_m[:, None], other=0.0)
-    do = tl.load(DO + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod, mask=mask_m[:, None], other=0.0)
-    lse = tl.load(LSE + row + offs_m, mask=mask_m, other=float("inf"))
-    delta = tl.load(Delta + row + offs_m, mask=mask_m, other=0.0)
+    q, do, lse, delta = _dq_head(Q, DO, LSE + row, Delta + row, offs_m, offs_d, mask_m,
+                                 stride_qn, stride_qd, stride_don, stride_dod)
     qa, qb = _load_codes(Codes, offs_m, N, q_pad, False, TABLE)
+    if TABLE:
+        qa = Tbl + off_h * tbl_stride + qa
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if HEAD_PAIR:
+        q2, do2, lse2, delta2 = _dq_head(Q + stride_qh, DO + stride_doh, LSE + row + N, Delta + row + N, offs_m,
+                                         offs_d, mask_m, stride_qn, stride_qd, stride_don, stride_dod)
+        dq2 = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     n_full = (N // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse, delta, qa, qb, start_n, K, V, Codes, Tbl,
-                      stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
-                      HEAD_DIM, BLOCK_N, False, TABLE, WRAP, DOT_PREC)
+        dq, bias = _dq_tile(dq, q, do, lse, delta, 0.0, qa, qb, start_n, K, V, Codes, Tbl,
+                            stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+                            HEAD_DIM, BLOCK_N, False, DOT_PREC, TABLE, WRAP, HAS_BIAS, True)
+        if HEAD_PAIR:
+            dq2, _ = _dq_tile(dq2, q2, do2, lse2, delta2, bias, qa, qb, start_n, K + stride_kh, V + stride_vh, Codes,
+                              Tbl, stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+                              HEAD_DIM, BLOCK_N, False, DOT_PREC, TABLE, WRAP, HAS_BIAS, False)
     if n_full < N:
-        dq = _dq_tile(dq, q, do, lse, delta, qa, qb, n_full, K, V, Codes, Tbl,
-                      stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
-                      HEAD_DIM, BLOCK_N, True, TABLE, WRAP, DOT_PREC)
-    tl.store(DQ + offs_m[:, None] * stride_gn + offs_d[None, :] * stride_gd, (dq * sm_scale).to(DQ.dtype.element_ty),
-             mask=mask_m[:, None])
+        dq, bias = _dq_tile(dq, q, do, lse, delta, 0.0, qa, qb, n_full, K, V, Codes, Tbl,
+                            stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+                            HEAD_DIM, BLOCK_N, True, DOT_PREC, TABLE, WRAP, HAS_BIAS, True)
+        if HEAD_PAIR:
+            dq2, _ = _dq_tile(dq2, q2, do2, lse2, delta2, bias, qa, qb, n_full, K + stride_kh, V + stride_vh, Codes,
+                              Tbl, stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+                              HEAD_DIM, BLOCK_N, True, DOT_PREC, TABLE, WRAP, HAS_BIAS, False)
+    g_off = offs_m[:, None] * stride_gn + offs_d[None, :] * stride_gd
+    tl.store(DQ + g_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=mask_m[:, None])
+    if HEAD_PAIR:
+        tl.store(DQ + stride_gh + g_off, (dq2 * sm_scale).to(DQ.dtype.element_ty), mask=mask_m[:, None])
 
 
-_fwd_kernel = _autotune("fwd", _FWD_CONFIGS)(_alibi_fwd_kernel)
-_dkdv_kernel = _autotune("dkdv", _DKDV_CONFIGS)(_alibi_bwd_dkdv_kernel)
-_dq_kernel = _autotune("dq", _DQ_CONFIGS)(_alibi_bwd_dq_kernel)
+_fwd_kernel = _autotune("fwd")(_alibi_fwd_kernel)
+_dkdv_kernel = _autotune("dkdv")(_alibi_bwd_dkdv_kernel)
+_dq_kernel = _autotune("dq")(_alibi_bwd_dq_kernel)
 _PREPROCESS_BLOCK_M = 16 if _INTERPRET else 64
 # Fused multiply-adds in the softmax and bias arithmetic, requested explicitly: on by default up
 # to Triton 3.9, which warns that 3.10 turns the default off (ptxas --fmad=false; ~15% more fp32
@@ -495,49 +623,13 @@ _LAUNCH_OPTIONS = {"enable_fp_fusion": True}
 
 @lru_cache(maxsize=64)
 def _geometry(h: int, w: int, prefix: int, wrap: bool, normalize: bool, table: bool, device: torch.device):
-    """Per-grid constants, built once: (codes int32 (2, N), table fp32, q_pad, k_pad, bias_norm).
-
-    Table mode: ``table[a_i - b_j] = B_ij`` for every pair (see module docstring); the table is
-    the (2h-1)×(2w-1) array of -d̂ over offsets, followed by 2C+2 zeros that prefix and
-    out-of-range codes map into. bias_norm is 1 (the table is already normalised).
-    sqrt mode: codes are (row, col) with row -1 for prefix tokens; bias_norm is 1/d_max.
-    """
-    n = prefix + h * w
-    p = torch.arange(h * w, dtype=torch.int64)
-    row, col = p // w, p % w
-    d_max = max_distance((h, w), wrap)
-    if normalize:
-        # 1×1 grid: d_max = 0 and d̂ is defined as 0.
-        norm = 1.0 / d_max if d_max > 0 else 0.0
-    else:
-        norm = 1.0
-    codes = torch.empty(2, n, dtype=torch.int64)
-    if table:
-        w2 = 2 * w - 1
-        center = (h - 1) * w2 + (w - 1)
-        q_pad, k_pad = 3 * center + 1, -(center + 1)
-        codes[0, :prefix], codes[1, :prefix] = q_pad, k_pad
-        codes[0, prefix:] = center + row * w2 + col
-        codes[1, prefix:] = row * w2 + col
-        dy = torch.arange(-(h - 1), h, dtype=torch.float64).abs()
-        dx = torch.arange(-(w - 1), w, dtype=torch.float64).abs()
-        if wrap:
-            dy = torch.minimum(dy, h - dy)
-            dx = torch.minimum(dx, w - dx)
-        core = -(dy[:, None] ** 2 + dx[None, :] ** 2).sqrt().flatten() * norm
-        tbl = torch.cat([core, torch.zeros(2 * center + 2, dtype=torch.float64)])
-        assert tbl.numel() == 4 * center + 3 and core.numel() == 2 * center + 1
-        bias_norm = 1.0
-    else:
-        q_pad = k_pad = 0  # unused: sqrt mode pads in-kernel with row = -1
-        codes[0, :prefix], codes[1, :prefix] = -1, 0
-        codes[0, prefix:], codes[1, prefix:] = row, col
-        tbl = torch.zeros(1, dtype=torch.float64)
-        bias_norm = norm
+    """:func:`kernels.alibi_bias.bias_lookup` on ``device``, built once per grid and options:
+    (codes int32 (2, N), table fp32, q_pad, k_pad, bias_norm)."""
+    codes, tbl, q_pad, k_pad, bias_norm = bias_lookup((h, w), prefix, wrap=wrap, normalize=normalize, table=table)
     if codes.abs().max() >= 2**31 or tbl.numel() >= 2**31:
         raise ValueError(f"grid {h}x{w} is too large for int32 bias codes")
     return (codes.to(device=device, dtype=torch.int32), tbl.to(device=device, dtype=torch.float32),
-            int(q_pad), int(k_pad), float(bias_norm))
+            q_pad, k_pad, bias_norm)
 
 
 def _strides(t):
@@ -571,62 +663,108 @@ def _device_guard(t):
 
 
 def _dot_precision(dtype):
-    # fp32 inputs get exact fp32 products (as torch's default matmul); tf32 would lose ~3 digits.
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """fp32 inputs follow torch's matmul rule: exact ("ieee") products under the default
+    ``torch.get_float32_matmul_precision() == "highest"``, tensor-core tf32 once it is "high" or
+    "medium" (~3 fewer digits). 16-bit inputs ignore it."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
+def _head_tables(tbl, slopes, use_table):
+    """Table mode: (table, head stride) with one row per slope holding slope·log2(e)·B, so the inner
+    loops add the gathered value as it is (no per-element multiply). O(heads·h·w) floats, rebuilt per
+    call (learned slopes change); a single slope for all heads gives one row shared by all (stride 0)."""
+    if not use_table:
+        return tbl, 0
+    scaled = (slopes.detach().to(torch.float32)[:, None] * LOG2E) * tbl[None, :]
+    return scaled, (0 if scaled.shape[0] == 1 else scaled.stride(0))
+
+
+def _per_head(slopes, heads):
+    # The kernels read one slope per head; a single slope (slopes=None) stands for all heads.
+    return slopes.expand(heads).contiguous() if slopes.numel() == 1 else slopes
+
+
+def head_pair(q, slopes, use_table):
+    """Whether forward and dQ programs compute two heads from one gathered bias tile: table mode, one
+    slope for every head (``slopes=None``), an even number of heads, 16-bit inputs with head_dim <= 64
+    (at 128, or with fp32 operands, two heads' tiles exceed the registers and spill)."""
+    heads, d = q.shape[1], q.shape[3]
+    return bool(use_table and slopes.numel() == 1 and heads % 2 == 0 and d <= 64 and q.dtype != torch.float32)
+
+
+def _fwd_args(q, k, v, o, lse, slopes, geometry, wrap, use_table):
+    """(positional args, constexpr keyword args) of the forward kernel; also used by the SASS benchmark."""
+    bsz, heads, n, d = q.shape
+    (h, w), (codes, tbl, q_pad, k_pad, bias_norm) = geometry
+    head_tbl, tbl_stride = _head_tables(tbl, slopes, use_table)
+    args = (q, k, v, o, lse, _per_head(slopes, heads), codes, head_tbl, *_strides(q), *_strides(k), *_strides(v),
+            *_strides(o), heads, n, h, w, q_pad, k_pad, tbl_stride, LOG2E / math.sqrt(d), LOG2E * bias_norm)
+    return args, dict(HEAD_DIM=d, TABLE=use_table, WRAP=wrap, COMPUTE_DSLOPE=False, DOT_PREC=_dot_precision(q.dtype),
+                      HEAD_PAIR=head_pair(q, slopes, use_table))
+
+
+def _bwd_args(do, q, k, v, dq, dk, dv, lse, delta, dsl, slopes, geometry, wrap, use_table):
+    """(dK/dV args, dQ args, constexpr keyword args, dQ's HEAD_PAIR) of the backward kernels; also used by
+    the SASS benchmark."""
+    bsz, heads, n, d = q.shape
+    (h, w), (codes, tbl, q_pad, k_pad, bias_norm) = geometry
+    sm_scale = 1.0 / math.sqrt(d)
+    head_tbl, tbl_stride = _head_tables(tbl, slopes, use_table)
+    pair = head_pair(q, slopes, use_table)
+    slopes = _per_head(slopes, heads)
+    common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
+              heads, n, h, w, q_pad, k_pad, tbl_stride, sm_scale * LOG2E, sm_scale, LOG2E * bias_norm)
+    dkdv = (q, k, v, do, dk, dv, lse, delta, dsl, slopes, codes, head_tbl, tbl, *common, bias_norm)
+    dqa = (q, k, v, do, dq, lse, delta, slopes, codes, head_tbl, *common)
+    kw = dict(HEAD_DIM=d, TABLE=use_table, WRAP=wrap, DOT_PREC=_dot_precision(q.dtype))
+    return dkdv, dqa, kw, pair
 
 
 def _launch_fwd(q, k, v, slopes, h, w, prefix, wrap, normalize, use_table):
     bsz, heads, n, d = q.shape
-    codes, tbl, q_pad, k_pad, bias_norm = _geometry(h, w, prefix, wrap, normalize, use_table, q.device)
+    geometry = (h, w), _geometry(h, w, prefix, wrap, normalize, use_table, q.device)
     o = _new_bnhd(q)
     lse = q.new_empty((bsz, heads, n), dtype=torch.float32)
-    sm_scale = 1.0 / math.sqrt(d)
+
+    args, kw = _fwd_args(q, k, v, o, lse, slopes, geometry, wrap, use_table)
 
     def grid(meta):
-        return (triton.cdiv(n, meta["BLOCK_M"]), heads, bsz)
+        return (triton.cdiv(n, meta["BLOCK_M"]), heads // 2 if kw["HEAD_PAIR"] else heads, bsz)
 
     with _device_guard(q):
-        _fwd_kernel[grid](q, k, v, o, lse, slopes, codes, tbl,
-                          *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-                          heads, n, h, w, q_pad, k_pad, sm_scale * LOG2E, LOG2E * bias_norm,
-                          HEAD_DIM=d, TABLE=use_table, WRAP=wrap, COMPUTE_DSLOPE=False,
-                          DOT_PREC=_dot_precision(q.dtype), **_LAUNCH_OPTIONS)
+        _fwd_kernel[grid](*args, **kw, **_LAUNCH_OPTIONS)
     return o, lse
 
 
-def _launch_bwd(do, q, k, v, o, lse, slopes, h, w, prefix, wrap, normalize, use_table, need_dslopes):
+def _launch_bwd(do, q, k, v, o, lse, slopes, h, w, prefix, wrap, normalize, use_table, need_dslopes, need_dq):
     bsz, heads, n, d = q.shape
-    codes, tbl, q_pad, k_pad, bias_norm = _geometry(h, w, prefix, wrap, normalize, use_table, q.device)
-    sm_scale = 1.0 / math.sqrt(d)
-    prec = _dot_precision(q.dtype)
+    geometry = (h, w), _geometry(h, w, prefix, wrap, normalize, use_table, q.device)
     _check_tile_offsets("grad_output", do)
     delta = q.new_empty((bsz, heads, n), dtype=torch.float32)
     dq, dk, dv = _new_bnhd(q), _new_bnhd(q), _new_bnhd(q)
-    assert dq.stride() == dk.stride() == dv.stride()
+    assert dq.stride() == dk.stride() == dv.stride()  # the kernels share one set of gradient strides
     dsl = q.new_empty((bsz, heads, n) if need_dslopes else (1,), dtype=torch.float32)
 
     def grid_k(meta):
         return (triton.cdiv(n, meta["BLOCK_N"]), heads, bsz)
 
+    dkdv_args, dq_args, kw, pair = _bwd_args(do, q, k, v, dq, dk, dv, lse, delta, dsl, slopes, geometry, wrap,
+                                             use_table)
+
     def grid_q(meta):
-        return (triton.cdiv(n, meta["BLOCK_M"]), heads, bsz)
+        return (triton.cdiv(n, meta["BLOCK_M"]), heads // 2 if pair else heads, bsz)
 
     with _device_guard(q):
         _bwd_preprocess_kernel[(triton.cdiv(n, _PREPROCESS_BLOCK_M), heads, bsz)](
             o, do, delta, *_strides(o), *_strides(do), heads, n, HEAD_DIM=d, BLOCK_M=_PREPROCESS_BLOCK_M,
             **_LAUNCH_OPTIONS)
-        _dkdv_kernel[grid_k](q, k, v, do, dk, dv, lse, delta, dsl, slopes, codes, tbl,
-                             *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
-                             heads, n, h, w, q_pad, k_pad, sm_scale * LOG2E, sm_scale, LOG2E * bias_norm, bias_norm,
-                             HEAD_DIM=d, TABLE=use_table, WRAP=wrap, COMPUTE_DSLOPE=need_dslopes, DOT_PREC=prec,
-                             **_LAUNCH_OPTIONS)
-        _dq_kernel[grid_q](q, k, v, do, dq, lse, delta, slopes, codes, tbl,
-                           *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-                           heads, n, h, w, q_pad, k_pad, sm_scale * LOG2E, sm_scale, LOG2E * bias_norm,
-                           HEAD_DIM=d, TABLE=use_table, WRAP=wrap, COMPUTE_DSLOPE=False, DOT_PREC=prec,
-                           **_LAUNCH_OPTIONS)
-    dslopes = dsl.sum(dim=(0, 2)) if need_dslopes else slopes.new_zeros(heads)
-    return dq, dk, dv, dslopes
+        _dkdv_kernel[grid_k](*dkdv_args, **kw, COMPUTE_DSLOPE=need_dslopes, **_LAUNCH_OPTIONS)
+        if need_dq:  # frozen queries (or q detached): the dQ kernel, a third of the backward, is skipped
+            _dq_kernel[grid_q](*dq_args, **kw, COMPUTE_DSLOPE=False, HEAD_PAIR=pair, **_LAUNCH_OPTIONS)
+    dslopes = dsl.sum(dim=(0, 2)) if need_dslopes else slopes.new_zeros(slopes.shape)
+    return (dq if need_dq else q.new_empty(0)), dk, dv, dslopes
 
 
 # --------------------------------------------------------------------------------------------
@@ -637,7 +775,8 @@ def _launch_bwd(do, q, k, v, o, lse, slopes, h, w, prefix, wrap, normalize, use_
 def alibi_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
                         grid_h: int, grid_w: int, num_prefix_tokens: int, wrap: bool, normalize: bool,
                         use_table: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (O, base-2 logsumexp per row). ``slopes`` is fp32 of shape (heads,)."""
+    """Returns (O, base-2 logsumexp per row). ``slopes`` is fp32 of shape (heads,), or (1,) for one
+    slope shared by all heads."""
     return _launch_fwd(q, k, v, slopes.contiguous(), grid_h, grid_w, num_prefix_tokens, wrap, normalize, use_table)
 
 
@@ -650,16 +789,19 @@ def _(q, k, v, slopes, grid_h, grid_w, num_prefix_tokens, wrap, normalize, use_t
 @torch.library.custom_op("alibi_vit::alibi_attention_bwd", mutates_args=())
 def alibi_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                         lse: torch.Tensor, slopes: torch.Tensor, grid_h: int, grid_w: int, num_prefix_tokens: int,
-                        wrap: bool, normalize: bool, use_table: bool,
-                        need_dslopes: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dq, dk, dv, dslopes); dslopes is zeros when ``need_dslopes`` is False."""
+                        wrap: bool, normalize: bool, use_table: bool, need_dslopes: bool,
+                        need_dq: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dq, dk, dv, dslopes); dslopes is zeros when ``need_dslopes`` is False, dq is empty
+    (0 elements) when ``need_dq`` is False."""
     return _launch_bwd(do, q, k, v, o, lse, slopes.contiguous(), grid_h, grid_w, num_prefix_tokens, wrap, normalize,
-                       use_table, need_dslopes)
+                       use_table, need_dslopes, need_dq)
 
 
 @alibi_attention_bwd.register_fake
-def _(do, q, k, v, o, lse, slopes, grid_h, grid_w, num_prefix_tokens, wrap, normalize, use_table, need_dslopes):
-    return _new_bnhd(q), _new_bnhd(q), _new_bnhd(q), slopes.new_empty(slopes.shape)
+def _(do, q, k, v, o, lse, slopes, grid_h, grid_w, num_prefix_tokens, wrap, normalize, use_table, need_dslopes,
+      need_dq):
+    dq = _new_bnhd(q) if need_dq else q.new_empty(0)
+    return dq, _new_bnhd(q), _new_bnhd(q), slopes.new_empty(slopes.shape)
 
 
 def _setup_context(ctx, inputs, output):
@@ -672,9 +814,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse, slopes = ctx.saved_tensors
-    need_dslopes = bool(ctx.needs_input_grad[3])
-    dq, dk, dv, dslopes = alibi_attention_bwd(do, q, k, v, o, lse, slopes, *ctx.geometry, need_dslopes)
-    return dq, dk, dv, (dslopes if need_dslopes else None), None, None, None, None, None, None
+    need_dq, need_dslopes = bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[3])
+    dq, dk, dv, dslopes = alibi_attention_bwd(do, q, k, v, o, lse, slopes, *ctx.geometry, need_dslopes, need_dq)
+    return (dq if need_dq else None), dk, dv, (dslopes if need_dslopes else None), None, None, None, None, None, None
 
 
 alibi_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -723,6 +865,15 @@ def _validate(q, k, v, grid_size, num_prefix_tokens, slopes, bias_mode):
     return h, w, int(num_prefix_tokens)
 
 
+def autocast_inputs(q, k, v):
+    """Inside ``torch.autocast`` the op runs in the autocast dtype, as SDPA does (casts are differentiable)."""
+    device_type = q.device.type if isinstance(q, torch.Tensor) else "cpu"
+    if not torch.is_autocast_enabled(device_type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
+
+
 def triton_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, normalize, *, bias_mode=None):
     """Fused attention with the 2D ALiBi bias: ``softmax(q kᵀ/sqrt(D) + m_h·B) v``.
 
@@ -733,17 +884,22 @@ def triton_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, 
         num_prefix_tokens: CLS/register tokens at the front (zero bias).
         slopes: (heads,) tensor, or None for slope 1 on every head (then no slope gradient).
             A gradient reaches it when it requires grad.
-        wrap, normalize: see SPEC.md §2.
+        wrap, normalize: see README.md "Method" §2.
         bias_mode: "table" or "sqrt" (how the kernel derives the bias; same result).
             Default: ``ALIBI_TRITON_BIAS`` or "table".
 
+    Inside ``torch.autocast`` the inputs are cast to the autocast dtype first. fp32 inputs use
+    exact products, or tf32 when ``torch.get_float32_matmul_precision()`` allows it.
+
     Returns:
-        (B, heads, N, head_dim) in q's dtype, stored in (B, N, heads, D) memory order.
+        (B, heads, N, head_dim) in q's dtype (the autocast dtype under autocast), stored in
+        (B, N, heads, D) memory order.
     """
     bias_mode = DEFAULT_BIAS_MODE if bias_mode is None else bias_mode
+    q, k, v = autocast_inputs(q, k, v)
     h, w, prefix = _validate(q, k, v, grid_size, num_prefix_tokens, slopes, bias_mode)
     if slopes is None:
-        slopes32 = torch.ones(q.shape[1], device=q.device, dtype=torch.float32)
+        slopes32 = torch.ones(1, device=q.device, dtype=torch.float32)  # one slope for all heads
     else:
         slopes32 = slopes.to(torch.float32)  # differentiable cast: the gradient returns in slopes' dtype
     o, _ = alibi_attention_fwd(q, k, v, slopes32, h, w, prefix, bool(wrap), bool(normalize), bias_mode == "table")

@@ -14,7 +14,7 @@ with ``B`` from :func:`kernels.alibi_bias`. Backends differ only in how ``B`` is
 - ``"flex"``: ``torch.nn.attention.flex_attention`` with an equivalent score_mod
   (:mod:`kernels.alibi_flex`).
 
-``"auto"`` picks triton for CUDA tensors it supports, sdpa elsewhere.
+``"auto"`` picks triton for CUDA tensors it supports, sdpa elsewhere (see :func:`auto_backend`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .alibi_bias import cached_alibi_bias, check_grid
 
-__all__ = ["BACKENDS", "alibi_attention", "resolve_backend"]
+__all__ = ["BACKENDS", "alibi_attention", "auto_backend", "resolve_backend"]
 
 BACKENDS = ("auto", "eager", "sdpa", "triton", "flex")
 
@@ -78,19 +78,34 @@ def _backend_fn(name):
             "flex": getattr(alibi_flex, "flex_alibi_attention", None)}[name]
 
 
+def auto_backend(device_type: str, head_dim: int, dtype: torch.dtype) -> str:
+    """What ``"auto"`` picks for queries on ``device_type`` with this head_dim and (autocast) dtype.
+
+    The fused kernel for CUDA tensors whose head_dim and dtype it supports, except fp32 under
+    ``torch.get_float32_matmul_precision() == "highest"`` (exact fp32 products would run without
+    tensor cores: SDPA is faster there); SDPA with the materialised bias otherwise.
+    """
+    if alibi_triton is None or device_type != "cuda":
+        return "sdpa"
+    if head_dim not in alibi_triton.SUPPORTED_HEAD_DIMS or dtype not in alibi_triton.SUPPORTED_DTYPES:
+        return "sdpa"
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "sdpa"
+    return "triton"
+
+
 def resolve_backend(backend: str, q: torch.Tensor) -> str:
     """The concrete backend ``alibi_attention(..., backend=backend)`` uses for queries ``q``.
 
-    ``"auto"`` takes the fused kernel for CUDA tensors whose head_dim and dtype it supports,
-    and SDPA with the materialised bias otherwise.
+    ``"auto"``: see :func:`auto_backend`; inside ``torch.autocast`` the autocast dtype counts.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend != "auto":
         return backend
-    fused_ok = (alibi_triton is not None and q.is_cuda and q.shape[-1] in alibi_triton.SUPPORTED_HEAD_DIMS
-                and q.dtype in alibi_triton.SUPPORTED_DTYPES)
-    return "triton" if fused_ok else "sdpa"
+    device_type = q.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else q.dtype
+    return auto_backend(device_type, q.shape[-1], dtype)
 
 
 def _check_inputs(q, k, v, grid_size, num_prefix_tokens, slopes):

@@ -1,4 +1,4 @@
-"""The bias matrix against hand-computed values and a loop written straight from SPEC.md §2."""
+"""The bias matrix against hand-computed values and a loop written straight from README.md "Method" §2."""
 
 import math
 
@@ -9,7 +9,7 @@ from kernels import alibi_bias, max_distance
 
 
 def loop_bias(h, w, prefix, wrap, normalize):
-    """SPEC.md §2 written as plainly as possible, pair by pair."""
+    """README.md "Method" §2 written as plainly as possible, pair by pair."""
     if wrap:
         d_max = math.sqrt((h // 2) ** 2 + (w // 2) ** 2)
     else:
@@ -106,3 +106,30 @@ def test_bad_grid_is_a_clear_error(grid):
 def test_negative_prefix_is_a_clear_error():
     with pytest.raises(ValueError, match="num_prefix_tokens"):
         alibi_bias((2, 2), -1)
+
+
+@pytest.mark.parametrize("grid,prefix,wrap,normalize", [
+    ((3, 5), 0, True, True), ((4, 4), 1, False, True), ((5, 3), 5, True, False), ((1, 1), 5, True, True),
+    ((2, 7), 1, False, False),
+])
+def test_bias_lookup_reproduces_every_pair(grid, prefix, wrap, normalize):
+    """The fused kernel's codes give back B for every (query, key) pair, prefix tokens included."""
+    from kernels.alibi_bias import bias_lookup
+
+    want = loop_bias(*grid, prefix, wrap, normalize)
+    codes, values, q_pad, k_pad, norm = bias_lookup(grid, prefix, wrap=wrap, normalize=normalize, table=True)
+    assert norm == 1.0 and (codes[0, :prefix] == q_pad).all() and (codes[1, :prefix] == k_pad).all()
+    idx = codes[0][:, None] - codes[1][None, :]
+    assert idx.min() >= 0 and idx.max() < values.numel()
+    torch.testing.assert_close(values[idx], want, atol=1e-12, rtol=0)
+    # Out-of-range key tokens of a partial tile carry k_pad too: zero against every query.
+    assert (values[codes[0] - k_pad] == 0).all()
+    # sqrt mode: (row, col) per token, row -1 for prefix tokens, the kernel scales -d by bias_norm.
+    codes, _, _, _, norm = bias_lookup(grid, prefix, wrap=wrap, normalize=normalize, table=False)
+    row, col = codes[0], codes[1]
+    dy, dx = (row[:, None] - row[None, :]).abs(), (col[:, None] - col[None, :]).abs()
+    if wrap:
+        dy, dx = torch.minimum(dy, grid[0] - dy), torch.minimum(dx, grid[1] - dx)
+    patch = (row[:, None] >= 0) & (row[None, :] >= 0)
+    got = torch.where(patch, -(dy**2 + dx**2).double().sqrt() * norm, torch.zeros((), dtype=torch.float64))
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)

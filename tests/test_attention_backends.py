@@ -57,7 +57,7 @@ def test_gradients_pass_gradcheck(backend):
 
 
 def test_slope_gradient_is_sum_of_score_gradient_times_bias():
-    # SPEC.md §2: dL/dm_h = Σ_ij dL/ds_ij · B_ij, checked against autograd through explicit scores.
+    # README.md "Method" §2: dL/dm_h = Σ_ij dL/ds_ij · B_ij, checked against autograd through explicit scores.
     q, k, v = make_qkv(grid=(3, 3), prefix=1)
     bias = alibi_bias((3, 3), 1, dtype=torch.float64)
     slopes = torch.tensor([0.5, 1.0, 1.5], dtype=torch.float64, requires_grad=True)
@@ -106,6 +106,45 @@ def test_auto_picks_sdpa_on_cpu():
     q, _, _ = make_qkv(dtype=torch.float32)
     assert resolve_backend("auto", q) == "sdpa"
     assert resolve_backend("eager", q) == "eager"
+
+
+@pytest.fixture
+def matmul_precision():
+    before = torch.get_float32_matmul_precision()
+    yield torch.set_float32_matmul_precision
+    torch.set_float32_matmul_precision(before)
+
+
+def test_auto_rule_for_cuda_dtypes_and_fp32_precision(matmul_precision):
+    """auto: the fused kernel for 16-bit CUDA inputs; fp32 only once tf32 is allowed, else SDPA."""
+    from kernels import attention
+
+    if attention.alibi_triton is None:
+        pytest.skip("triton is not installed")
+    matmul_precision("highest")
+    assert attention.auto_backend("cuda", 64, torch.bfloat16) == "triton"
+    assert attention.auto_backend("cuda", 64, torch.float16) == "triton"
+    assert attention.auto_backend("cuda", 64, torch.float32) == "sdpa"  # exact fp32 would skip tensor cores
+    assert attention.auto_backend("cuda", 48, torch.bfloat16) == "sdpa"  # head_dim the kernel lacks
+    assert attention.auto_backend("cpu", 64, torch.bfloat16) == "sdpa"
+    matmul_precision("high")
+    assert attention.auto_backend("cuda", 64, torch.float32) == "triton"
+    assert attention.alibi_triton._dot_precision(torch.float32) == "tf32"
+    matmul_precision("highest")
+    assert attention.alibi_triton._dot_precision(torch.float32) == "ieee"
+
+
+def test_auto_uses_the_autocast_dtype(monkeypatch):
+    from kernels import attention
+
+    q, _, _ = make_qkv(dtype=torch.float32)
+    calls = []
+    real = attention.auto_backend
+    monkeypatch.setattr(attention, "auto_backend", lambda *a: calls.append(a) or real(*a))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert resolve_backend("auto", q) == "sdpa"  # CPU: never the fused kernel
+    resolve_backend("auto", q)
+    assert calls == [("cpu", 8, torch.bfloat16), ("cpu", 8, torch.float32)]
 
 
 @pytest.mark.parametrize("call,match", [

@@ -112,8 +112,23 @@ def test_matches_reference_fp16(bias_mode):
     _run_and_compare((5, 4), 5, True, True, 64, bias_mode, "learned", torch.float16)
 
 
+@pytest.mark.parametrize("grid,prefix,wrap,normalize,bias_mode", [
+    ((6, 7), 5, True, True, "table"),   # N = 47: partial key and query tiles
+    ((5, 4), 1, False, False, "table"),
+    ((3, 3), 0, True, True, "table"),
+    ((4, 5), 5, True, True, "sqrt"),    # slopes=None without head pairs: one slope read by every head
+])
+def test_constant_slopes_with_head_pairs_match_reference(grid, prefix, wrap, normalize, bias_mode):
+    """slopes=None, 4 heads, fp16, table mode: each forward program computes two heads from one bias tile."""
+    from kernels import alibi_triton as at
+
+    q = torch.zeros(1, 4, prefix + grid[0] * grid[1], 32, dtype=torch.float16)
+    assert at.head_pair(q, torch.ones(1), bias_mode == "table") == (bias_mode == "table")
+    _run_and_compare(grid, prefix, wrap, normalize, 32, bias_mode, "none", torch.float16, heads=4, seed=3)
+
+
 def test_bias_follows_spec_formula():
-    """Attention weights recovered from the kernel give back -m·d̂ of SPEC §2, written out here.
+    """Attention weights recovered from the kernel give back -m·d̂ of README.md "Method" §2, written out here.
 
     With q = k = 0 the logits are m·B, and with v the identity the output rows are the softmax
     weights; log-ratios against a prefix key (bias 0) are m·B_ij.
@@ -140,7 +155,7 @@ def test_bias_follows_spec_formula():
 
 
 def test_wrapped_bias_is_equivariant_to_rolling_patches():
-    """SPEC §2: with wrap the bias is circulant, so rolling the patch grid rolls the output."""
+    """README.md "Method" §2: with wrap the bias is circulant, so rolling the patch grid rolls the output."""
     h, w, prefix, shift = 4, 5, 2, (1, 3)
     q, k, v, _, slopes = _inputs(1, 3, (h, w), prefix, 16, torch.float32, seed=23)
 
@@ -253,6 +268,75 @@ def test_gradients_when_only_some_inputs_require_grad(needs):
         _check(g, ref_grads[name], 5e-5 * max(1.0, ref_grads[name].abs().max().item()), name)
 
 
+def test_dq_kernel_is_skipped_when_q_needs_no_gradient(monkeypatch):
+    """Frozen queries: no dQ launch at all, and dK, dV are still the reference's."""
+    from kernels import alibi_triton as at
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("the dQ kernel was launched although q needs no gradient")
+
+    grid, prefix = (3, 3), 2
+    q, k, v, do, slopes = _inputs(1, 2, grid, prefix, 16, torch.float32, seed=37)
+    monkeypatch.setattr(at, "_dq_kernel", NoLaunch())
+    k, v = k.clone().requires_grad_(), v.clone().requires_grad_()
+    dk, dv = torch.autograd.grad(triton_alibi_attention(q, k, v, grid, prefix, slopes, True, True), (k, v), do)
+    _, ref_grads = _reference(q, k, v, do, grid, prefix, slopes, True, True)
+    _check(dk, ref_grads[1], 5e-5, "dk")
+    _check(dv, ref_grads[2], 5e-5, "dv")
+    q.requires_grad_()
+    with pytest.raises(AssertionError, match="dQ kernel was launched"):
+        torch.autograd.grad(triton_alibi_attention(q, k, v, grid, prefix, slopes, True, True), (q,), do)
+
+
+def test_autocast_runs_in_the_autocast_dtype():
+    """Like SDPA: fp32 inputs inside torch.autocast give a 16-bit output, fp32 gradients, the reference's values."""
+    grid, prefix = (3, 4), 1
+    q, k, v, do, slopes = _inputs(1, 2, grid, prefix, 32, torch.float32, seed=41)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with torch.autocast(DEVICE, dtype=torch.float16):
+        out = triton_alibi_attention(*leaves, grid, prefix, slopes, True, True)
+    assert out.dtype == torch.float16
+    grads = torch.autograd.grad(out, leaves, do.half())
+    half = [t.half().float() for t in (q, k, v)]  # the reference sees the same rounded inputs
+    ref_out, ref_grads = _reference(*half, do, grid, prefix, slopes, True, True)
+    _check(out, ref_out, TOL[torch.float16][0], "out")
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert g.dtype == torch.float32
+        _check(g, r, TOL[torch.float16][1], name)
+
+
+def test_gpu_default_tiles_under_the_interpreter():
+    """The GPU's default tiles (64-128 rows/cols, not the interpreter's 16/32) through all three
+    kernels, with learned slopes, against the reference; N = 150 leaves partial tiles for both."""
+    from kernels import alibi_triton as at
+
+    grid, prefix, d, heads = (12, 12), 6, 64, 2
+    q, k, v, do, slopes = _inputs(1, heads, grid, prefix, d, torch.float32, seed=43)
+    n = q.shape[2]
+    geometry = grid, at._geometry(*grid, prefix, True, True, True, q.device)
+    cfg = {kind: at.gpu_launch_configs(kind, d)[0].kwargs for kind in ("fwd", "dkdv", "dq")}
+    assert cfg["fwd"]["BLOCK_M"] >= 64 and cfg["dkdv"]["BLOCK_N"] >= 64 and cfg["dq"]["BLOCK_M"] >= 64
+    o, lse = at._new_bnhd(q), torch.empty(1, heads, n, device=DEVICE)
+    args, kw = at._fwd_args(q, k, v, o, lse, slopes, geometry, True, True)
+    at._alibi_fwd_kernel[(triton.cdiv(n, cfg["fwd"]["BLOCK_M"]), heads, 1)](*args, **kw, **cfg["fwd"])
+    delta, dsl = torch.empty(1, heads, n, device=DEVICE), torch.empty(1, heads, n, device=DEVICE)
+    dq, dk, dv = (at._new_bnhd(q) for _ in range(3))
+    at._bwd_preprocess_kernel[(triton.cdiv(n, 16), heads, 1)](o, do, delta, *o.stride(), *do.stride(), heads, n,
+                                                              HEAD_DIM=d, BLOCK_M=16)
+    dkdv_args, dq_args, kw, pair = at._bwd_args(do, q, k, v, dq, dk, dv, lse, delta, dsl, slopes, geometry, True,
+                                                True)
+    assert not pair and not kw.get("HEAD_PAIR")  # fp32 with per-head slopes: one head per program
+    at._alibi_bwd_dkdv_kernel[(triton.cdiv(n, cfg["dkdv"]["BLOCK_N"]), heads, 1)](
+        *dkdv_args, **kw, COMPUTE_DSLOPE=True, **cfg["dkdv"])
+    at._alibi_bwd_dq_kernel[(triton.cdiv(n, cfg["dq"]["BLOCK_M"]), heads, 1)](
+        *dq_args, **kw, COMPUTE_DSLOPE=False, **cfg["dq"])
+    ref_out, ref_grads = _reference(q, k, v, do, grid, prefix, slopes.clone().requires_grad_(), True, True)
+    _check(o, ref_out, 2e-5, "out")
+    for name, g, r in zip(("dq", "dk", "dv", "dslopes"), (dq, dk, dv, dsl.sum(dim=(0, 2))), ref_grads):
+        _check(g, r, 5e-5 * max(1.0, r.abs().max().item()), name)
+
+
 def test_rejects_outputs_beyond_int32_offsets():
     """Outputs are (B, N, heads, D) in memory even for inputs whose own offsets are small."""
     n = 1 + 46 * 46
@@ -274,10 +358,11 @@ def test_gpu_autotuner_prunes_to_the_offered_configs(which, autotune, monkeypatc
     from kernels import alibi_triton as at
 
     monkeypatch.setattr(at, "_AUTOTUNE", autotune)
-    fn, tagged = {"fwd": (at._alibi_fwd_kernel, at._FWD_CONFIGS),
-                  "dkdv": (at._alibi_bwd_dkdv_kernel, at._DKDV_CONFIGS),
-                  "dq": (at._alibi_bwd_dq_kernel, at._DQ_CONFIGS)}[which]
-    tuner = at._gpu_autotune(tagged)(fn)
+    fn = {"fwd": at._alibi_fwd_kernel, "dkdv": at._alibi_bwd_dkdv_kernel, "dq": at._alibi_bwd_dq_kernel}[which]
+    tuner = at._gpu_autotune(which)(fn)
+    key = at._config_key
+    # The autotuner holds each config once, whichever lists share it.
+    assert len({key(c) for c in tuner.configs}) == len(tuner.configs)
     for head_dim in at.SUPPORTED_HEAD_DIMS:
         for table in (True, False):
             for dtype in (torch.bfloat16, torch.float32):
@@ -287,20 +372,24 @@ def test_gpu_autotuner_prunes_to_the_offered_configs(which, autotune, monkeypatc
                 tuner.nargs = {name: 0 for name in positional}
                 tuner.nargs["Q"] = torch.zeros(1, dtype=dtype)
                 got = tuner.prune_configs(kwargs)
-                want = [cfg for cfg, offer in tagged if offer(head_dim, table, dtype == torch.float32)]
-                assert got == (want if autotune else want[:1]), (head_dim, table, dtype)
+                group = "fp32" if dtype == torch.float32 else ("small" if head_dim <= 64 else "large",
+                                                               "table" if table else "sqrt")
+                want = [key(c) for c in at._CONFIGS[which][group]]
+                assert [key(c) for c in got] == (want if autotune else want[:1]), (head_dim, table, dtype)
+                assert all(c in tuner.configs for c in got)  # the autotuner's own objects
                 assert all(cfg.kwargs["BLOCK_M"] >= 16 and cfg.kwargs["BLOCK_N"] >= 16 for cfg in got)
 
 
 def test_every_gpu_call_is_offered_a_launch_config():
-    """Each (head_dim, bias mode, fp32 or 16-bit) combination has a tuned config list, first = fixed default."""
+    """Each (head_dim, bias mode, fp32 or 16-bit) combination has a config list without repeats."""
     from kernels import alibi_triton as at
 
-    for tagged in (at._FWD_CONFIGS, at._DKDV_CONFIGS, at._DQ_CONFIGS):
+    for kind in ("fwd", "dkdv", "dq"):
         for head_dim in at.SUPPORTED_HEAD_DIMS:
             for table in (True, False):
                 for fp32 in (True, False):
-                    assert any(offer(head_dim, table, fp32) for _, offer in tagged), (head_dim, table, fp32)
+                    keys = [at._config_key(c) for c in at.gpu_launch_configs(kind, head_dim, table, fp32)]
+                    assert keys and len(set(keys)) == len(keys), (kind, head_dim, table, fp32)
 
 
 def test_fake_implementation_matches_real_op():
@@ -310,11 +399,11 @@ def test_fake_implementation_matches_real_op():
     q, k, v, do, slopes = _inputs(2, 3, (3, 4), 2, 32, torch.float16, seed=13)
     args = (3, 4, 2, True, True, True)
     real_o, real_lse = alibi_attention_fwd(q, k, v, slopes, *args)
-    real_grads = alibi_attention_bwd(do, q, k, v, real_o, real_lse, slopes, *args, True)
+    real_grads = alibi_attention_bwd(do, q, k, v, real_o, real_lse, slopes, *args, True, True)
     with FakeTensorMode() as mode:
         fq, fk, fv, fdo, fs = (mode.from_tensor(t) for t in (q, k, v, do, slopes))
         fake_o, fake_lse = alibi_attention_fwd(fq, fk, fv, fs, *args)
-        fake_grads = alibi_attention_bwd(fdo, fq, fk, fv, fake_o, fake_lse, fs, *args, True)
+        fake_grads = alibi_attention_bwd(fdo, fq, fk, fv, fake_o, fake_lse, fs, *args, True, True)
     for real, fake in zip((real_o, real_lse, *real_grads), (fake_o, fake_lse, *fake_grads)):
         assert (real.shape, real.dtype, real.stride()) == (fake.shape, fake.dtype, fake.stride())
 
@@ -325,7 +414,9 @@ def test_opcheck_both_ops():
     geometry = (2, 3, 1, True, True, True)
     o, lse = alibi_attention_fwd(q, k, v, slopes, *geometry)
     torch.library.opcheck(torch.ops.alibi_vit.alibi_attention_bwd.default,
-                          (do, q, k, v, o, lse, slopes, *geometry, True))
+                          (do, q, k, v, o, lse, slopes, *geometry, True, True))
+    torch.library.opcheck(torch.ops.alibi_vit.alibi_attention_bwd.default,
+                          (do, q, k, v, o, lse, slopes, *geometry, False, False))
     for t in (q, k, v, slopes):
         t.requires_grad_()
     torch.library.opcheck(torch.ops.alibi_vit.alibi_attention_fwd.default, (q, k, v, slopes, *geometry))

@@ -1,0 +1,98 @@
+"""benchmarks/bench_kernel_sass.py: its SASS parsing and occupancy rule, and one real sm_90 compile."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "bench_kernel_sass.py"
+
+
+def _module():
+    sys.path.insert(0, str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("bench_kernel_sass", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                       /* 0x0 */
+        /*0010*/                   IADD3 R2, R1, 0x1, RZ ;                      /* 0x0 */
+        /*0020*/                   FADD R3, R2, R2 ;                            /* 0x0 */
+        /*0030*/               @P0 BRA 0x10 ;                                   /* 0x0 */
+        /*0040*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR12], RZ, !UPT ; /* 0x0 */
+        /*0050*/                   FMUL R4, R3, R3 ;                            /* 0x0 */
+        /*0060*/              @!P4 BRA 0x40 ;                                   /* 0x0 */
+        /*0070*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR12], R24 ; /* 0x0 */
+        /*0080*/                   FMUL R4, R3, R3 ;                            /* 0x0 */
+        /*0090*/                   FMUL R4, R3, R3 ;                            /* 0x0 */
+        /*00a0*/              @!P4 BRA 0x70 ;                                   /* 0x0 */
+        /*00b0*/                   BRA 0xc0 ;                                   /* 0x0 */
+        /*00c0*/                   EXIT ;                                       /* 0x0 */
+"""
+
+
+def test_main_loop_is_the_shortest_loop_with_tensor_core_instructions():
+    # Loops: 0x10-0x30 (3 instructions, no HGMMA), 0x40-0x60 (3, HGMMA), 0x70-0xa0 (4, HGMMA);
+    # BRA 0xc0 jumps forward and is no loop.
+    assert _module().sass_main_loop(SASS) == 3
+
+
+def test_no_tensor_core_loop_is_an_error():
+    with pytest.raises(ValueError, match="no loop"):
+        _module().sass_main_loop(SASS.replace("HGMMA", "FFMA"))
+
+
+def test_ctas_per_sm_follows_the_sm90_limits():
+    ctas = _module().ctas_per_sm
+    # 169 registers → 176 per thread (a warp allocates 256-register units): 5632 per warp,
+    # 11 warps fit in 64K registers: one CTA of 8 warps.
+    assert ctas(169, 8, 82176) == 1
+    # 106 → 112 per thread: 3584 per warp, 18 warps: two CTAs of 8; 2 × (82176 + 1024) B shared fit 228 KiB.
+    assert ctas(106, 8, 82176) == 2
+    # Registers would allow 4 CTAs of 4 warps (128 → 4096 per warp, 16 warps), shared memory only 2.
+    assert ctas(128, 4, 100000) == 2
+    assert ctas(32, 1, 0) == 32  # the 32-CTA cap
+
+
+def test_script_compiles_the_forward_for_sm90(tmp_path):
+    pytest.importorskip("triton")
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not ((bin_dir / "ptxas").is_file() and (bin_dir / "cuobjdump").is_file()):
+        pytest.skip("this Triton build ships no ptxas/cuobjdump")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--kernels", "fwd", "--head-dims", "64", "--dtypes",
+                           "bfloat16", "--default-only", "--out-dir", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "kernel_sass_sm90.json").read_text())
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert set(rows) == {"alibi", "nobias"}
+    for r in rows.values():
+        assert r["kernel"] == "fwd" and r["default"] and r["head_dim"] == 64 and r["dtype"] == "bfloat16"
+        # Constant slopes at head_dim 64: one forward program computes two heads from one bias tile.
+        assert r["heads_per_program"] == 2
+        assert r["instructions_per_element"] == round(
+            r["main_loop_instructions"] * r["num_warps"] / (r["block_m"] * r["block_n"] * 2), 4)
+        assert r["registers"] <= 255 and r["spill_bytes"] >= 0 and r["ctas_per_sm"] >= 1
+    # Compiling the bias out must leave a shorter loop: the bias is real work in the shipped kernel.
+    assert rows["nobias"]["main_loop_instructions"] < rows["alibi"]["main_loop_instructions"]
+    fwd = report["summary"][0]["fwd"]
+    ipe = {v: r["instructions_per_element"] for v, r in rows.items()}
+    assert fwd["ratio"] == round(ipe["alibi"] / ipe["nobias"], 3)
+    assert "| fwd | alibi | 64 | bfloat16 |" in (tmp_path / "kernel_sass_sm90.md").read_text()
+
+
+def test_script_refuses_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--default-only"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "unset TRITON_INTERPRET" in proc.stderr
