@@ -61,7 +61,12 @@ BUNDLED_SETS = {
     "microscopy": ("cell", "immunohistochemistry"),              # quantitative-phase image of a cell; IHC-stained tissue
     "retina": ("microaneurysms", "retina"),                      # fundus images of the eye
     "astronomy": ("hubble_deep_field", "moon"),                  # telescope images
+    # Generated 3-phase microstructures (12-bit data in 16-bit images, alibi_vit.trainable.synthetic):
+    # micrograph-like and offline, but not real micrographs.
+    "synthetic_micrographs": tuple(f"synthetic_micrograph_{seed}" for seed in range(4)),
 }
+_SYNTHETIC_PREFIX = "synthetic_micrograph_"
+_SYNTHETIC_SIZE = 512
 # Former set names, still read (with a warning) so old configs keep their images.
 _RENAMED_SETS = {
     "micrographs": (("cell", "immunohistochemistry", "microaneurysms", "hubble_deep_field"),
@@ -287,7 +292,10 @@ def denormalize(image: torch.Tensor) -> torch.Tensor:
 # -- image sets ---------------------------------------------------------------------------------------
 
 def _sets_listing() -> str:
-    return "; ".join(f"{name} ({', '.join(images)})" for name, images in BUNDLED_SETS.items())
+    def contents(images):
+        return f"{len(images)} generated" if images[0].startswith(_SYNTHETIC_PREFIX) else ", ".join(images)
+
+    return "; ".join(f"{name} ({contents(images)})" for name, images in BUNDLED_SETS.items())
 
 
 def _did_you_mean(name: str, candidates) -> str:
@@ -305,8 +313,6 @@ def bundled_images(name: str = "textures", intensity: IntensityMode = "auto") ->
     The images ship with scikit-image (no download). ``intensity`` as in :func:`load_image`;
     with ``"auto"`` the grayscale ones (textures, cell, microaneurysms, moon) are percentile-stretched.
     """
-    from skimage import data
-
     if name in _RENAMED_SETS:
         names, advice = _RENAMED_SETS[name]
         warnings.warn(f"the bundled set {name!r} was renamed: {advice}", FutureWarning, stacklevel=2)
@@ -317,7 +323,18 @@ def bundled_images(name: str = "textures", intensity: IntensityMode = "auto") ->
     else:
         raise ValueError(f"unknown bundled set or image {name!r}; sets: {_sets_listing()}"
                          f"{_did_you_mean(name, [*BUNDLED_SETS, *_BUNDLED_IMAGES])}")
-    return [(n, to_rgb_tensor(getattr(data, n)(), f"skimage.data.{n}", intensity)) for n in names]
+    return [(n, to_rgb_tensor(_bundled_array(n), n, intensity)) for n in names]
+
+
+def _bundled_array(name: str) -> np.ndarray:
+    """The pixels of one bundled image: from ``skimage.data``, or generated for the synthetic set."""
+    if name.startswith(_SYNTHETIC_PREFIX):
+        from .trainable.synthetic import synthetic_micrograph
+
+        return synthetic_micrograph(_SYNTHETIC_SIZE, seed=int(name[len(_SYNTHETIC_PREFIX):]))[0]
+    from skimage import data
+
+    return getattr(data, name)()
 
 
 def noise_images(count: int, size, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -350,6 +367,6 @@ def load_image_set(source: str, size, noise_count: int = 8, seed: int = 0,
         named = bundled_images(source, intensity)
     else:
         hint = "" if os.sep in source else _did_you_mean(source, [*BUNDLED_SETS, "noise", *_BUNDLED_IMAGES])
-        raise FileNotFoundError(f"{source!r} does not exist: give a folder of images, an image file, 'noise' or "
-                                f"a bundled set: {_sets_listing()}{hint}")
+        raise FileNotFoundError(f"{source!r} does not exist as a folder, an image file or a bundled set{hint} "
+                                f"(bundled sets: {_sets_listing()}; or 'noise')")
     return [(name, resize_center_crop(img, size)) for name, img in named]

@@ -228,7 +228,7 @@ def test_unknown_image_source_lists_the_sets_and_suggests_a_close_name(tmp_path)
 def test_bundled_sets_are_named_for_what_they_hold_and_load_offline():
     assert BUNDLED_SETS["textures"] == ("brick", "grass", "gravel")
     assert BUNDLED_SETS["photos"] == ("astronaut", "chelsea", "coffee", "rocket")
-    assert set(BUNDLED_SETS) == {"textures", "photos", "microscopy", "retina", "astronomy"}
+    assert set(BUNDLED_SETS) == {"textures", "photos", "microscopy", "retina", "astronomy", "synthetic_micrographs"}
     for name, images in BUNDLED_SETS.items():
         loaded = bundled_images(name)
         assert [n for n, _ in loaded] == list(images)
@@ -239,6 +239,16 @@ def test_bundled_sets_are_named_for_what_they_hold_and_load_offline():
     [(_, raw)] = bundled_images("microaneurysms", intensity="dtype")
     assert float(stretched.max()) == 1 and float(stretched.min()) == 0
     assert float(raw.max()) == pytest.approx(129 / 255) and float(raw.min()) == pytest.approx(38 / 255)
+
+
+def test_synthetic_micrographs_are_the_generators_16bit_images():
+    from alibi_vit.trainable.synthetic import synthetic_micrograph
+
+    [(name, image)] = bundled_images("synthetic_micrograph_1", intensity="dtype")
+    expected = synthetic_micrograph(512, seed=1)[0].astype(np.float64) / 65535.0
+    assert name == "synthetic_micrograph_1" and image.shape == (3, 512, 512)
+    np.testing.assert_allclose(image[0].numpy(), expected, rtol=1e-6)
+    assert torch.equal(image[0], image[2])  # grey, repeated over the three channels
 
 
 def test_former_micrographs_set_still_reads_its_images_with_a_warning():

@@ -1,0 +1,217 @@
+"""``alibi-vit segment``: trainable segmentation of micrographs (README.md "Method" §7).
+
+    alibi-vit segment train --images DIR_OR_FILES --labels DIR_OR_FILES \
+        [--backbone NAME --checkpoint PATH] --out MODEL_DIR
+    alibi-vit segment apply --model MODEL_DIR --images DIR_OR_FILES --out DIR
+    alibi-vit segment benchmark (--synthetic | --train-images ... --train-masks ... --test-images ... --test-masks ...)
+
+Label images hold 0 for unlabelled pixels and 1..K for the classes (single-channel or palette
+PNG/TIFF, the Weka/ilastik convention); a label file pairs with the image of the same name, or of
+the same name plus ``_labels``/``_label``/``_mask``/``_masks``/``_gt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .cli_options import _checkpoints, _model_kwargs
+
+LABEL_SUFFIXES = ("", "_labels", "_label", "_mask", "_masks", "_gt", "-labels", "-mask")
+
+
+def _add_backbone_arguments(p, several: bool):
+    p.add_argument("--backbone", nargs="+" if several else None, default=[] if several else None, metavar="NAME",
+                   help="timm backbone name(s) for ViT features, e.g. alibi_vit_small_patch14_reg4_dinov2 "
+                        "(default: classical features only)")
+    p.add_argument("--checkpoint", action="append", default=[], metavar="[NAME=]PATH",
+                   help="plain timm state_dict for the backbone, loaded strictly" +
+                        (" (repeatable; NAME= picks the backbone)" if several else ""))
+    p.add_argument("--pretrained", action="store_true",
+                   help="timm's pretrained weights for backbones without a checkpoint")
+    p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="architecture override passed to timm, e.g. depth=2")
+    p.add_argument("--device", default=None, help="where the backbone runs (default: cuda if available, else cpu)")
+
+
+def _add_common(p):
+    p.add_argument("--classifier", choices=("xgboost", "random_forest"), default="xgboost")
+    p.add_argument("--intensity", choices=("auto", "percentile", "minmax", "dtype"), default="auto",
+                   help="how images are scaled to [0, 1]: auto (default: 0.5–99.5th percentiles for grayscale, "
+                        "dtype for colour), percentile, min–max, or by dtype")
+    p.add_argument("--components", type=int, default=9, help="PCA components of the ViT features")
+    p.add_argument("--trees", type=int, default=None,
+                   help="number of trees (boosting rounds, or forest size) instead of the classifier's default")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    t = sub.add_parser("train", help="train a pixel classifier from images and sparse label images")
+    t.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE")
+    t.add_argument("--labels", nargs="+", required=True, metavar="DIR_OR_FILE",
+                   help="label images: 0 = unlabelled, 1..K = classes, paired with the images by file name")
+    _add_backbone_arguments(t, several=False)
+    _add_common(t)
+    t.add_argument("--crf", action="store_true", help="refine predictions with a dense CRF when applying")
+    t.add_argument("--out", type=Path, required=True, metavar="MODEL_DIR")
+    a = sub.add_parser("apply", help="segment images with a trained model")
+    a.add_argument("--model", type=Path, required=True, metavar="MODEL_DIR")
+    a.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE")
+    a.add_argument("--out", type=Path, required=True, metavar="DIR")
+    a.add_argument("--format", choices=("png", "tif"), default="png", help="mask file format")
+    a.add_argument("--no-overlay", action="store_true", help="write only the masks, no overlay PNGs")
+    a.add_argument("--crf", choices=("model", "on", "off"), default="model",
+                   help="dense-CRF clean-up: as the model was trained (default), or force on/off")
+    a.add_argument("--device", default=None)
+    b = sub.add_parser("benchmark", help="scribble benchmark: test mIoU per round of generated scribbles")
+    for name in ("train-images", "train-masks", "test-images", "test-masks"):
+        b.add_argument(f"--{name}", nargs="+", metavar="DIR_OR_FILE")
+    b.add_argument("--synthetic", action="store_true",
+                   help="use generated 3-phase micrographs (offline; not the paper's data)")
+    b.add_argument("--synthetic-size", type=int, default=256)
+    b.add_argument("--synthetic-count", type=int, nargs=2, default=(5, 5), metavar=("TRAIN", "TEST"))
+    _add_backbone_arguments(b, several=True)
+    _add_common(b)
+    b.add_argument("--rounds", type=int, default=5)
+    b.add_argument("--per-class", type=int, default=1, help="scribbles per class per training image per round")
+    b.add_argument("--out", type=Path, default=Path("segment_benchmark"), metavar="DIR")
+
+
+def _pair(images, labels, what="labels"):
+    """Pair image files with label files by name (see the module docstring)."""
+    by_stem = {p.stem: p for p in labels}
+    pairs, missing = [], []
+    for img in images:
+        match = next((by_stem[img.stem + s] for s in LABEL_SUFFIXES if img.stem + s in by_stem), None)
+        (pairs.append((img, match)) if match is not None else missing.append(img.name))
+    if missing:
+        raise ValueError(f"no {what} file for image(s) {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''} "
+                         f"(expected the same name, optionally + {'/'.join(s for s in LABEL_SUFFIXES if s)})")
+    return pairs
+
+
+def _classifier_params(args):
+    if args.trees is not None and args.trees < 1:
+        raise ValueError(f"--trees must be at least 1, got {args.trees}")
+    return {} if args.trees is None else {"n_estimators": args.trees}
+
+
+def _backbone_kwargs(args, name):
+    if name is None:
+        return {}
+    checkpoints = _checkpoints(args.checkpoint, [name])
+    return dict(checkpoint=checkpoints.get(name), pretrained=args.pretrained and name not in checkpoints,
+                model_kwargs=_model_kwargs(args.model_arg))
+
+
+def _train(args) -> int:
+    from .trainable import TrainableSegmenter, read_grayscale, read_labels
+    from .trainable.io import list_image_files
+
+    if args.backbone is None and args.checkpoint:
+        raise ValueError("--checkpoint needs --backbone NAME")
+    label_files = list_image_files(args.labels)
+    image_files = [p for p in list_image_files(args.images) if p not in set(label_files)]
+    pairs = _pair(image_files, label_files)
+    images, labels = [], []
+    for img, lab in tqdm(pairs, desc="read", disable=len(pairs) < 2):
+        images.append(read_grayscale(img, args.intensity))
+        labels.append(read_labels(lab, images[-1].shape))
+    seg = TrainableSegmenter(args.backbone, args.classifier, args.crf, n_components=args.components,
+                             classifier_params=_classifier_params(args),
+                             intensity="dtype", device=args.device, seed=args.seed, progress=True,
+                             **_backbone_kwargs(args, args.backbone))
+    seg.fit(images, labels)
+    # The files were scaled on reading; the saved model scales arrays the same way when applied.
+    seg.intensity = args.intensity
+    seg.save(args.out)
+    counts = np.bincount(np.concatenate([lab[lab > 0] for lab in labels]))
+    print(f"trained on {len(images)} image(s), {int(counts.sum())} labelled pixels in classes "
+          + ", ".join(f"{c}: {n}" for c, n in enumerate(counts) if n) + f"; model written to {args.out}")
+    return 0
+
+
+def _apply(args) -> int:
+    from .trainable import TrainableSegmenter, read_grayscale
+    from .trainable.io import list_image_files, overlay, write_mask
+
+    seg = TrainableSegmenter.load(args.model, device=args.device)
+    if args.crf != "model":
+        seg.crf = args.crf == "on"
+    files = list_image_files(args.images)
+    args.out.mkdir(parents=True, exist_ok=True)
+    k = int(seg.classes_.max())
+    for path in tqdm(files, desc="segment"):
+        image01 = read_grayscale(path, seg.intensity)
+        intensity, seg.intensity = seg.intensity, "dtype"  # already scaled on reading
+        try:
+            mask = seg.predict([image01])[0]
+        finally:
+            seg.intensity = intensity
+        write_mask(args.out / f"{path.stem}_mask.{args.format}", mask)
+        if not args.no_overlay:
+            from PIL import Image
+
+            Image.fromarray(overlay(image01, mask, 0.4, k)).save(args.out / f"{path.stem}_overlay.png")
+    print(f"segmented {len(files)} image(s) into {args.out}")
+    return 0
+
+
+def _read_set(image_sources, mask_sources, what):
+    from .trainable.io import read_array, list_image_files
+
+    if not image_sources or not mask_sources:
+        raise ValueError(f"--{what}-images and --{what}-masks are required without --synthetic")
+    mask_files = list_image_files(mask_sources)
+    image_files = [p for p in list_image_files(image_sources) if p not in set(mask_files)]
+    pairs = _pair(image_files, mask_files, what="mask")
+    return [read_array(i) for i, _ in pairs], [read_array(m) for _, m in pairs], [i.stem for i, _ in pairs]
+
+
+def _benchmark(args) -> int:
+    from .trainable.benchmark import scribble_benchmark, write_outputs
+    from .trainable.synthetic import synthetic_dataset
+
+    if args.synthetic:
+        n_train, n_test = args.synthetic_count
+        (tr, trm), (te, tem) = synthetic_dataset(n_train, n_test, args.synthetic_size, seed=args.seed)
+    else:
+        tr, trm, _ = _read_set(args.train_images, args.train_masks, "train")
+        te, tem, _ = _read_set(args.test_images, args.test_masks, "test")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+    backbones = {"classical": None}
+    checkpoints = _checkpoints(args.checkpoint, args.backbone) if args.checkpoint else {}
+    if args.backbone:
+        from .checkpoint import create_backbone
+
+        for name in args.backbone:
+            ckpt = checkpoints.get(name)
+            model = create_backbone(name, pretrained=args.pretrained and ckpt is None, checkpoint=ckpt,
+                                    **_model_kwargs(args.model_arg))
+            if ckpt is None and not args.pretrained:
+                print(f"note: {name} is randomly initialised (give --pretrained or --checkpoint for real features)",
+                      file=sys.stderr)
+            backbones[f"classical + {name}"] = model
+    rows, preds, test_masks = scribble_benchmark(
+        tr, trm, te, tem, backbones, rounds=args.rounds, per_class=args.per_class, seed=args.seed,
+        classifier=args.classifier, progress=True,
+        segmenter_kwargs=dict(n_components=args.components, classifier_params=_classifier_params(args),
+                              intensity=args.intensity, device=args.device))
+    paths = write_outputs(args.out, rows, preds, te, test_masks, intensity=args.intensity)
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    print("round  " + "  ".join(methods))
+    for r in range(1, args.rounds + 1):
+        vals = {row["method"]: row["miou"] for row in rows if row["round"] == r}
+        print(f"{r:>5}  " + "  ".join(f"{vals[m]:>{len(m)}.3f}" for m in methods))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def run(args) -> int:
+    return {"train": _train, "apply": _apply, "benchmark": _benchmark}[args.action](args)

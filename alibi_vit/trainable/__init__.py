@@ -1,0 +1,21 @@
+"""Trainable (Weka/ilastik-style) segmentation of micrographs on classical ⊕ ViT features (README.md "Method" §7).
+
+- :func:`classical_features`: the Weka filter set per pixel.
+- :class:`ViTFeatures`: backbone patch features, standardised, PCA-reduced, upsampled to pixels.
+- :class:`TrainableSegmenter`: fit on sparse labels (0 = unlabelled, 1..K), predict, save/load.
+- :func:`scribbles`, :func:`synthetic_micrograph`, :func:`scribble_benchmark`: the benchmark.
+- :func:`dense_crf`: optional clean-up of the probabilities.
+"""
+
+from .benchmark import mean_iou, scribble_benchmark
+from .classical import classical_feature_names, classical_features, membrane_kernels
+from .crf import dense_crf
+from .io import read_grayscale, read_labels, to_unit_float
+from .scribbles import scribbles
+from .segmenter import TrainableSegmenter
+from .synthetic import synthetic_dataset, synthetic_micrograph
+from .vit import ViTFeatures, vit_patch_features
+
+__all__ = ["TrainableSegmenter", "ViTFeatures", "classical_feature_names", "classical_features", "dense_crf",
+           "mean_iou", "membrane_kernels", "read_grayscale", "read_labels", "scribble_benchmark", "scribbles",
+           "synthetic_dataset", "synthetic_micrograph", "to_unit_float", "vit_patch_features"]

@@ -1,0 +1,53 @@
+"""Pixel classifiers: XGBoost gradient boosting (default) or a random forest, saved as XGBoost JSON.
+
+The random forest is XGBoost's own random-forest mode (``XGBRFClassifier``: many trees on
+bootstrap rows and random feature subsets per split, averaged), so both options save to
+XGBoost's JSON model format and load without pickle.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["CLASSIFIERS", "balanced_weights", "load_classifier", "make_classifier"]
+
+CLASSIFIERS = ("xgboost", "random_forest")
+# Defaults chosen for speed on a 2-core CPU (30 boosting rounds: fit on 100k pixels in seconds, prediction
+# ~1 s per megapixel); on the synthetic benchmark 60 rounds at rate 0.3 gave the same mIoU (±0.01). Override any of
+# them with ``classifier_params``.
+DEFAULTS = {
+    "xgboost": dict(n_estimators=30, max_depth=6, learning_rate=0.5, tree_method="hist", max_bin=128),
+    "random_forest": dict(n_estimators=100, max_depth=12, subsample=0.63, colsample_bynode=0.3,
+                          tree_method="hist", max_bin=128),
+}
+
+
+def make_classifier(kind: str = "xgboost", seed: int = 0, n_jobs: int | None = None, **params):
+    """An unfitted XGBoost classifier of ``kind`` ("xgboost" or "random_forest")."""
+    import xgboost as xgb
+
+    if kind not in CLASSIFIERS:
+        raise ValueError(f"classifier must be one of {CLASSIFIERS}, got {kind!r}")
+    cls = xgb.XGBClassifier if kind == "xgboost" else xgb.XGBRFClassifier
+    return cls(**{**DEFAULTS[kind], **params}, random_state=seed, n_jobs=n_jobs)
+
+
+def balanced_weights(y: np.ndarray) -> np.ndarray:
+    """Per-sample weights n / (K·n_k): every class weighs the same in total, whatever its pixel count."""
+    counts = np.bincount(y)
+    present = counts > 0
+    weights = np.zeros(len(counts))
+    weights[present] = len(y) / (present.sum() * counts[present])
+    return weights[y].astype(np.float32)
+
+
+def load_classifier(kind: str, path) -> object:
+    """A classifier of ``kind`` from XGBoost's JSON model file ``path``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"classifier model {path} does not exist")
+    clf = make_classifier(kind)
+    clf.load_model(path)
+    return clf

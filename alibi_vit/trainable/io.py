@@ -1,0 +1,154 @@
+"""Reading micrographs and label images as arrays, and writing masks and overlays.
+
+Images become (H, W) float32 arrays in [0, 1] (RGB is converted to luminance); label images
+become (H, W) int64 arrays. Every function here checks its input and names the problem.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..images import check_intensity, load_grayscale
+
+__all__ = ["IMAGE_SUFFIXES", "as_grayscale", "as_label_image", "list_image_files", "overlay",
+           "read_array", "read_grayscale", "read_labels", "to_unit_float", "write_mask"]
+
+IMAGE_SUFFIXES = (".png", ".tif", ".tiff", ".jpg", ".jpeg", ".bmp")
+
+
+def as_grayscale(image, source: str = "image") -> np.ndarray:
+    """``image`` as an array, checked to be one 2D image: (H, W) grayscale or (H, W, 3|4) RGB(A).
+
+    Anything else (a 3D stack, a channel-first array) is a ValueError: pass the slices one by one.
+    """
+    image = np.asarray(image)
+    if not (image.ndim == 2 or (image.ndim == 3 and image.shape[-1] in (3, 4))):
+        raise ValueError(f"{source} has shape {image.shape}: expected a 2D grayscale (H, W) or RGB (H, W, 3) image; "
+                         "pass the slices of a 3D stack as separate images")
+    if image.dtype.kind not in "uifb":
+        raise ValueError(f"{source} has dtype {image.dtype}: expected integers or floats")
+    if min(image.shape[:2]) < 1:
+        raise ValueError(f"{source} is empty (shape {image.shape})")
+    return image
+
+
+def to_unit_float(image, intensity: str = "auto", source: str = "image") -> np.ndarray:
+    """``image`` as (H, W) float32 in [0, 1], by the project's intensity convention.
+
+    ``intensity`` is one of :data:`alibi_vit.images.INTENSITY_MODES` (``auto``: a 0.5–99.5th
+    percentile stretch for grayscale, dtype scaling for colour); colour becomes luma. See
+    :func:`alibi_vit.images.load_grayscale`, which does the work.
+    """
+    return load_grayscale(as_grayscale(image, source), check_intensity(intensity))
+
+
+def as_label_image(labels, shape=None, source: str = "labels") -> np.ndarray:
+    """Check a label image (0 = unlabelled, 1..K = classes) and return it as int64.
+
+    Floats are accepted only if every value is a whole number; RGB label images, negative values
+    and a shape other than ``shape`` (the image's) are ValueErrors.
+    """
+    labels = np.asarray(labels)
+    if labels.ndim == 3 and labels.shape[-1] in (3, 4):
+        raise ValueError(f"{source} is an RGB image {labels.shape}: save labels as a single-channel (grayscale or "
+                         "indexed/palette) image whose pixel values are the class numbers 0..K")
+    if labels.ndim != 2:
+        raise ValueError(f"{source} has shape {labels.shape}: expected a 2D (H, W) label image")
+    if shape is not None and labels.shape != tuple(shape):
+        raise ValueError(f"{source} is {labels.shape[0]}×{labels.shape[1]} px but its image is "
+                         f"{shape[0]}×{shape[1]} px")
+    if labels.dtype.kind == "b":
+        labels = labels.astype(np.int64)
+    elif labels.dtype.kind == "f":
+        if not np.isfinite(labels).all() or (labels != np.round(labels)).any():
+            raise ValueError(f"{source} has non-integer values: labels must be class numbers 0..K")
+    elif labels.dtype.kind not in "ui":
+        raise ValueError(f"{source} has dtype {labels.dtype}: expected integer class numbers")
+    labels = labels.astype(np.int64)
+    if labels.min() < 0:
+        raise ValueError(f"{source} has negative values: labels must be 0 (unlabelled) or 1..K")
+    return labels
+
+
+def read_array(path) -> np.ndarray:
+    """The pixel array of an image file as stored (TIFF via tifffile, others via PIL; palette images as indices)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"image {path} does not exist")
+    try:
+        if path.suffix.lower() in (".tif", ".tiff"):
+            import tifffile
+
+            return np.asarray(tifffile.imread(path))
+        from PIL import Image
+
+        with Image.open(path) as img:
+            array = np.asarray(img)  # palette ("P") images give their indices: what label images hold
+            return array[..., 0] if img.mode == "PA" else array
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot read image {path}: {err}") from err
+
+
+def read_grayscale(path, intensity: str = "auto") -> np.ndarray:
+    """Read an image file (PNG, TIFF incl. 16-bit, JPEG) as (H, W) float32 in [0, 1]; see :func:`to_unit_float`."""
+    return load_grayscale(Path(path), check_intensity(intensity))
+
+
+def read_labels(path, shape=None) -> np.ndarray:
+    """Read a label image file (single-channel or palette PNG/TIFF) as (H, W) int64; see :func:`as_label_image`."""
+    path = Path(path)
+    return as_label_image(read_array(path), shape, source=f"labels {path}")
+
+
+def list_image_files(sources) -> list[Path]:
+    """Image files from folders (their images, sorted, not recursive) and/or file paths, in order."""
+    if isinstance(sources, (str, Path)):
+        sources = [sources]
+    files = []
+    for src in sources:
+        src = Path(src)
+        if src.is_dir():
+            found = sorted(p for p in src.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+            if not found:
+                raise FileNotFoundError(f"folder {src} holds no images ({', '.join(IMAGE_SUFFIXES)})")
+            files.extend(found)
+        elif src.is_file():
+            files.append(src)
+        else:
+            raise FileNotFoundError(f"{src} is neither an image file nor a folder")
+    return files
+
+
+def palette(k: int) -> np.ndarray:
+    """(k + 1, 3) uint8 colours: index 0 black, then well-separated hues for classes 1..k."""
+    base = np.array([[230, 25, 75], [60, 180, 75], [0, 130, 200], [255, 225, 25], [145, 30, 180], [70, 240, 240],
+                     [245, 130, 48], [240, 50, 230], [210, 245, 60], [250, 190, 190]], np.uint8)
+    reps = -(-k // len(base)) if k else 1
+    return np.concatenate([np.zeros((1, 3), np.uint8), np.tile(base, (reps, 1))[:k]])
+
+
+def overlay(image01: np.ndarray, mask: np.ndarray, alpha: float = 0.4, k: int | None = None) -> np.ndarray:
+    """(H, W, 3) uint8: the grayscale image with the classes of ``mask`` tinted on it (0 stays untinted)."""
+    k = int(mask.max()) if k is None else k
+    colours = palette(k).astype(np.float32)[mask]
+    gray = np.repeat(np.clip(image01, 0, 1)[..., None] * 255.0, 3, axis=-1)
+    out = np.where(mask[..., None] > 0, (1 - alpha) * gray + alpha * colours, gray)
+    return out.round().astype(np.uint8)
+
+
+def write_mask(path, mask: np.ndarray) -> Path:
+    """Write a class mask losslessly: PNG (8-bit, or 16-bit above 255 classes) or TIFF by suffix."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dtype = np.uint8 if mask.max() < 256 else np.uint16
+    if path.suffix.lower() in (".tif", ".tiff"):
+        import tifffile
+
+        tifffile.imwrite(path, mask.astype(dtype))
+    else:
+        from PIL import Image
+
+        Image.fromarray(mask.astype(dtype)).save(path)
+    return path

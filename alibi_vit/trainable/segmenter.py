@@ -1,0 +1,331 @@
+"""``TrainableSegmenter``: Weka/ilastik-style pixel classification on classical ⊕ ViT features.
+
+The method: README.md "Method" §7.
+
+Images go in as arrays ((H, W) of any integer or float dtype, or RGB) and are scaled to [0, 1] by
+``intensity``; label images use the Weka/ilastik convention: 0 = unlabelled, 1..K = classes.
+Features are computed tile by tile (a core of ``tile`` px plus a margin covering the filters'
+reach), so the features of every pixel are exactly those of the whole image and memory stays
+bounded for any image size.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch.nn as nn
+from tqdm.auto import tqdm
+
+from .classical import DEFAULT_SIGMAS, SIGMA_SCALE, classical_feature_names, classical_features_chw, halo
+from .classifier import CLASSIFIERS, balanced_weights, load_classifier, make_classifier
+from .crf import CRF_DEFAULTS, dense_crf
+from ..images import check_intensity
+from .io import as_label_image, to_unit_float
+
+__all__ = ["TrainableSegmenter"]
+
+FORMAT_VERSION = 1
+PATCH_ALIGN = 14  # tiles start on multiples of the patch size so ViT grids line up
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _upsample_region(z: np.ndarray, p: int, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
+    """Pixels [r0, r1) × [c0, c1) of the bilinear ×p upsampling of the (C, gh, gw) map ``z``.
+
+    With an integer scale and align_corners=False, upsampling a crop of the grid with one patch of
+    margin gives exactly the whole map's upsampling inside the crop, so regions need not hold the
+    whole image's upsampled features in memory.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    gh, gw = z.shape[1:]
+    a0, b0 = max(r0 // p - 1, 0), max(c0 // p - 1, 0)
+    a1, b1 = min(-(-r1 // p) + 1, gh), min(-(-c1 // p) + 1, gw)
+    crop = torch.from_numpy(np.ascontiguousarray(z[:, a0:a1, b0:b1]))[None]
+    up = F.interpolate(crop, size=((a1 - a0) * p, (b1 - b0) * p), mode="bilinear", align_corners=False)[0]
+    return up[:, r0 - a0 * p:r1 - a0 * p, c0 - b0 * p:c1 - b0 * p].numpy()
+
+
+def _as_list(items, what: str) -> list:
+    """A list of images: one 2D (or (H, W, 3|4) RGB) array counts as one image; other arrays are ambiguous."""
+    if isinstance(items, np.ndarray):
+        if items.ndim == 2 or (items.ndim == 3 and items.shape[-1] in (3, 4)):
+            return [items]
+        raise ValueError(f"{what}: got one array of shape {items.shape}; pass a list of 2D images (the slices of a "
+                         "3D stack as separate images)")
+    return list(items)
+
+
+class TrainableSegmenter:
+    """Pixel classifier trained from sparse labels.
+
+    backbone: None (classical features only), a model name for :func:`alibi_vit.create_backbone`
+        (with ``checkpoint``/``pretrained``/``model_kwargs``), or an ``nn.Module`` that
+        :func:`alibi_vit.patch_features` accepts.
+    classifier: "xgboost" (default) or "random_forest" (XGBoost's random-forest mode); extra
+        settings in ``classifier_params``. Classes are balanced by sample weights.
+    crf: refine probabilities with a dense CRF (:func:`~alibi_vit.trainable.crf.dense_crf`);
+        ``crf_params`` overrides its defaults.
+    sigmas, sigma_scale: the classical filters' scales (see :mod:`~alibi_vit.trainable.classical`).
+    n_components: ViT PCA components (default 9). vit_tile, vit_overlap: ViT tiling in px.
+    intensity: how images become [0, 1] floats: "auto" (default: a percentile stretch for grayscale),
+        "percentile", "minmax" or "dtype" (see :mod:`alibi_vit.images`).
+    tile: core size in px of the featurisation tiles (default 1036 = 74 patches, so a 1024-px image is
+        one tile); bounds memory.
+    max_samples: at most this many labelled pixels train the classifier (a seeded random subset).
+    feature_dtype: dtype the gathered training features are stored in (float32; float16 halves memory).
+    device: where the backbone runs ("cuda" when available, else "cpu").
+    seed: seeds subsampling and the classifier. progress: show progress bars.
+    """
+
+    def __init__(self, backbone=None, classifier: str = "xgboost", crf: bool = False, *, checkpoint=None,
+                 pretrained: bool = False, model_kwargs: dict | None = None, classifier_params: dict | None = None,
+                 crf_params: dict | None = None, sigmas=DEFAULT_SIGMAS, sigma_scale: float = SIGMA_SCALE,
+                 n_components: int = 9, vit_tile: int = 518, vit_overlap: int = 56, intensity: str = "auto",
+                 tile: int = 1036, max_samples: int = 500_000, feature_dtype=np.float32, device=None, seed: int = 0,
+                 progress: bool = False):
+        if classifier not in CLASSIFIERS:
+            raise ValueError(f"classifier must be one of {CLASSIFIERS}, got {classifier!r}")
+        check_intensity(intensity)
+        if crf_params and set(crf_params) - set(CRF_DEFAULTS):
+            raise ValueError(f"unknown CRF parameters {sorted(set(crf_params) - set(CRF_DEFAULTS))}")
+        if tile < PATCH_ALIGN:
+            raise ValueError(f"tile must be at least {PATCH_ALIGN} px, got {tile}")
+        import torch
+
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.classifier_kind, self.crf = classifier, bool(crf)
+        self.classifier_params = dict(classifier_params or {})
+        self.crf_params = dict(crf_params or {})
+        self.sigmas, self.sigma_scale = tuple(float(s) for s in sigmas), float(sigma_scale)
+        self.n_components, self.vit_tile, self.vit_overlap = int(n_components), int(vit_tile), int(vit_overlap)
+        self.intensity, self.tile, self.max_samples = intensity, _round_up(int(tile), PATCH_ALIGN), int(max_samples)
+        self.feature_dtype, self.seed, self.progress = np.dtype(feature_dtype), int(seed), progress
+        self.backbone_spec = None
+        self.vit = None
+        if backbone is not None:
+            from .vit import ViTFeatures
+
+            if isinstance(backbone, nn.Module):
+                model = backbone
+                self.backbone_spec = {"module": type(backbone).__name__}
+            elif isinstance(backbone, str):
+                from ..checkpoint import create_backbone
+
+                model = create_backbone(backbone, pretrained=pretrained, checkpoint=checkpoint, **(model_kwargs or {}))
+                self.backbone_spec = {"name": backbone, "pretrained": bool(pretrained),
+                                      "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None,
+                                      "model_kwargs": dict(model_kwargs or {})}
+            else:
+                raise ValueError(f"backbone must be None, a model name or an nn.Module, got {type(backbone).__name__}")
+            self.vit = ViTFeatures(model, self.n_components, tile=self.vit_tile, overlap=self.vit_overlap,
+                                   device=self.device)
+        self.halo = _round_up(max(halo(self.sigmas, self.sigma_scale), 2 * PATCH_ALIGN), PATCH_ALIGN)
+        self.classes_ = None
+        self.model_ = None
+
+    # ---- features -------------------------------------------------------------------------
+    @property
+    def feature_names(self) -> list[str]:
+        names = classical_feature_names(self.sigmas)
+        return names + [f"vit_pc{i}" for i in range(self.n_components)] if self.vit is not None else names
+
+    def _prepare(self, images, source="image"):
+        return [to_unit_float(im, self.intensity, source=f"{source} {i}")
+                for i, im in enumerate(_as_list(images, "images"))]
+
+    def _vit_map(self, image01, patch_feats=None):
+        if self.vit is None:
+            return None
+        if patch_feats is None:
+            patch_feats = self.vit.patch_features(image01)
+        return self.vit.project(patch_feats)
+
+    def _regions(self, shape):
+        h, w = shape
+        for r0 in range(0, h, self.tile):
+            for c0 in range(0, w, self.tile):
+                yield r0, min(r0 + self.tile, h), c0, min(c0 + self.tile, w)
+
+    def _region_features(self, image01, vit_map, r0, r1, c0, c1) -> np.ndarray:
+        """(F, r1-r0, c1-c0) features of a core region, computed on it plus its halo."""
+        h, w = image01.shape
+        g = self.halo
+        R0, R1, C0, C1 = max(r0 - g, 0), min(r1 + g, h), max(c0 - g, 0), min(c1 + g, w)
+        feats = classical_features_chw(image01[R0:R1, C0:C1], self.sigmas, sigma_scale=self.sigma_scale,
+                                       intensity=None)[:, r0 - R0:r1 - R0, c0 - C0:c1 - C0]
+        if vit_map is None:
+            return feats
+        p = int(self.vit.model.patch_embed.patch_size[0])
+        return np.concatenate([feats, _upsample_region(vit_map, p, r0, r1, c0, c1)])
+
+    def features(self, image) -> np.ndarray:
+        """(H, W, F) per-pixel features of one image as the classifier sees them (whole image in memory)."""
+        if self.vit is not None and self.vit.components_ is None:
+            raise ValueError("the ViT PCA is fitted by fit(): call fit() before features() with a backbone")
+        (x,) = self._prepare([image])
+        vit_map = self._vit_map(x)
+        out = np.empty((len(self.feature_names),) + x.shape, np.float32)
+        for r0, r1, c0, c1 in self._regions(x.shape):
+            out[:, r0:r1, c0:c1] = self._region_features(x, vit_map, r0, r1, c0, c1)
+        return np.moveaxis(out, 0, -1)
+
+    # ---- training -------------------------------------------------------------------------
+    def fit(self, images, labels) -> "TrainableSegmenter":
+        """Train on the labelled pixels of ``images``.
+
+        images: a list of images, or one (H, W) or (H, W, 3) array; a 3D stack is an error.
+        labels: one label image per image, same size, 0 = unlabelled, 1..K = classes. The classes are the label values found in all label
+        images together (a class may appear in one image only); at least two are needed. Images
+        without any labelled pixel add nothing (but still shape the ViT PCA). Returns self.
+        """
+        xs = self._prepare(images)
+        labels = _as_list(labels, "labels")
+        if len(labels) != len(xs):
+            raise ValueError(f"got {len(xs)} images but {len(labels)} label images")
+        ys = [as_label_image(lab, x.shape, source=f"labels {i}") for i, (lab, x) in enumerate(zip(labels, xs))]
+        classes = np.unique(np.concatenate([np.unique(y) for y in ys]))
+        classes = classes[classes > 0]
+        if len(classes) == 0:
+            raise ValueError("the label images have no labelled pixel (all 0): draw at least one scribble per class")
+        if len(classes) < 2:
+            raise ValueError(f"only class {classes[0]} is labelled: at least two classes are needed")
+        self.classes_ = classes
+        patch_feats = None
+        if self.vit is not None:
+            patch_feats = [self.vit.patch_features(x) for x in tqdm(xs, desc="ViT features", disable=not self.progress)]
+            self.vit.fit_patch_matrix(np.concatenate([f.reshape(f.shape[0], -1).T for f in patch_feats]))
+        X, Y = [], []
+        for i, (x, y) in enumerate(tqdm(list(zip(xs, ys)), desc="features", disable=not self.progress)):
+            if not (y > 0).any():
+                continue
+            vit_map = self._vit_map(x, patch_feats[i]) if patch_feats is not None else None
+            for r0, r1, c0, c1 in self._regions(x.shape):
+                yr = y[r0:r1, c0:c1]
+                sel = yr > 0
+                if not sel.any():
+                    continue
+                feats = self._region_features(x, vit_map, r0, r1, c0, c1)
+                X.append(feats[:, sel].T.astype(self.feature_dtype))
+                Y.append(np.searchsorted(classes, yr[sel]))
+        X, Y = np.concatenate(X), np.concatenate(Y)
+        if len(Y) > self.max_samples:
+            keep = np.sort(np.random.default_rng(self.seed).choice(len(Y), self.max_samples, replace=False))
+            X, Y = X[keep], Y[keep]
+        self.model_ = make_classifier(self.classifier_kind, seed=self.seed, **self.classifier_params)
+        self.model_.fit(X, Y, sample_weight=balanced_weights(Y))
+        return self
+
+    # ---- prediction -----------------------------------------------------------------------
+    def _check_fitted(self):
+        if self.model_ is None:
+            raise ValueError("the segmenter is not trained: call fit() or load() first")
+
+    def _proba_one(self, x: np.ndarray) -> np.ndarray:
+        vit_map = self._vit_map(x)
+        k = len(self.classes_)
+        out = np.empty(x.shape + (k,), np.float32)
+        for r0, r1, c0, c1 in self._regions(x.shape):
+            feats = self._region_features(x, vit_map, r0, r1, c0, c1)
+            # Rows C-contiguous: XGBoost would otherwise copy them once more.
+            rows = np.ascontiguousarray(feats.reshape(feats.shape[0], -1).T, dtype=self.feature_dtype)
+            out[r0:r1, c0:c1] = self.model_.predict_proba(rows).reshape(r1 - r0, c1 - c0, k)
+        if self.crf:
+            out = dense_crf(out, x, **self.crf_params)
+        return out
+
+    def predict_proba(self, images) -> list[np.ndarray]:
+        """Per image an (H, W, K) float32 array of class probabilities, classes ordered as ``classes_``."""
+        self._check_fitted()
+        xs = self._prepare(images)
+        return [self._proba_one(x) for x in tqdm(xs, desc="segment", disable=not self.progress)]
+
+    def predict(self, images) -> list[np.ndarray]:
+        """Per image an (H, W) int64 mask of class values (those in the training labels, 1..K)."""
+        self._check_fitted()
+        xs = self._prepare(images)
+        return [self.classes_[self._proba_one(x).argmax(-1)]
+                for x in tqdm(xs, desc="segment", disable=not self.progress)]
+
+    # ---- persistence ----------------------------------------------------------------------
+    def config(self) -> dict:
+        return {"format": FORMAT_VERSION, "classes": [int(c) for c in self.classes_],
+                "classifier": self.classifier_kind, "classifier_params": self.classifier_params,
+                "crf": self.crf, "crf_params": self.crf_params, "sigmas": list(self.sigmas),
+                "sigma_scale": self.sigma_scale, "n_components": self.n_components, "vit_tile": self.vit_tile,
+                "vit_overlap": self.vit_overlap, "intensity": self.intensity, "tile": self.tile,
+                "max_samples": self.max_samples, "feature_dtype": self.feature_dtype.name, "seed": self.seed,
+                "backbone": self.backbone_spec, "feature_names": self.feature_names}
+
+    def save(self, path) -> Path:
+        """Write the model folder: config.json, classifier.json (XGBoost's JSON format), and with a
+        backbone vit_pca.npz (the fitted standardisation and PCA) plus, for a backbone that cannot be
+        rebuilt from its name (random init), backbone.safetensors. No pickle anywhere."""
+        self._check_fitted()
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        config = self.config()
+        self.model_.save_model(path / "classifier.json")
+        if self.vit is not None:
+            np.savez(path / "vit_pca.npz", **self.vit.state())
+            spec = self.backbone_spec
+            if "name" in spec and not spec["pretrained"] and not spec["checkpoint"]:
+                from safetensors.torch import save_file
+
+                state = {k: v.detach().cpu().contiguous() for k, v in self.vit.model.state_dict().items()}
+                save_file(state, str(path / "backbone.safetensors"))
+                config["backbone"] = {**spec, "checkpoint": "backbone.safetensors"}
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path, backbone: nn.Module | None = None, device=None, progress: bool = False) -> "TrainableSegmenter":
+        """A segmenter from a folder written by :meth:`save`.
+
+        A model trained with an ``nn.Module`` backbone needs that module again as ``backbone``;
+        one trained with a model name rebuilds it (its checkpoint file must still exist).
+        """
+        path = Path(path)
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"{path} is not a trained segmenter folder (no config.json)")
+        cfg = json.loads(cfg_path.read_text())
+        if cfg.get("format") != FORMAT_VERSION:
+            raise ValueError(f"{cfg_path} has format {cfg.get('format')}, this version reads {FORMAT_VERSION}")
+        spec = cfg["backbone"]
+        kwargs = {}
+        if spec is None:
+            model = None
+        elif "module" in spec:
+            if backbone is None:
+                raise ValueError(f"{path} was trained with a custom backbone ({spec['module']}): pass it as backbone=")
+            model = backbone
+        else:
+            model = spec["name"]
+            ckpt = spec["checkpoint"]
+            if ckpt and not Path(ckpt).is_absolute():
+                ckpt = path / ckpt
+            kwargs = dict(checkpoint=ckpt, pretrained=spec["pretrained"], model_kwargs=spec["model_kwargs"])
+        seg = cls(model, cfg["classifier"], cfg["crf"], classifier_params=cfg["classifier_params"],
+                  crf_params=cfg["crf_params"], sigmas=cfg["sigmas"], sigma_scale=cfg["sigma_scale"],
+                  n_components=cfg["n_components"], vit_tile=cfg["vit_tile"], vit_overlap=cfg["vit_overlap"],
+                  intensity=cfg["intensity"], tile=cfg["tile"], max_samples=cfg["max_samples"],
+                  feature_dtype=cfg["feature_dtype"], device=device, seed=cfg["seed"], progress=progress, **kwargs)
+        if spec is not None and "name" in spec and spec["checkpoint"] == "backbone.safetensors":
+            # Weights saved with the model (a random-init backbone): a later save() writes them again.
+            seg.backbone_spec = {**spec, "checkpoint": None}
+        seg.classes_ = np.asarray(cfg["classes"], np.int64)
+        seg.model_ = load_classifier(cfg["classifier"], path / "classifier.json")
+        if seg.vit is not None:
+            pca = path / "vit_pca.npz"
+            if not pca.is_file():
+                raise FileNotFoundError(f"{pca} is missing")
+            with np.load(pca, allow_pickle=False) as state:
+                seg.vit.load_state(state)
+        return seg

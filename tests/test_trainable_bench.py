@@ -1,0 +1,37 @@
+"""benchmarks/bench_trainable_seg.py: its memory measurement holds the bound, and --smoke writes a report."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from alibi_vit.trainable import TrainableSegmenter, scribbles, synthetic_micrograph
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_trainable_seg as bench  # noqa: E402
+
+
+@pytest.mark.slow
+def test_tiled_prediction_memory_stays_far_below_whole_image_features():
+    image, mask = synthetic_micrograph(96, seed=0)
+    seg = TrainableSegmenter(classifier_params={"n_estimators": 5, "n_jobs": 1}, tile=280)
+    seg.fit([image], [scribbles(mask, 2, rng=0)])
+    mem = bench.predict_memory(seg, 1400)
+    # 63 features × 1400² px in float32 would take 0.46 GB; 280-px tiles need a small fraction of that.
+    assert mem["full_image_features_gb"] > 0.45
+    assert 0 < mem["above_baseline_gb"] < 0.5 * mem["full_image_features_gb"], mem
+    assert mem["above_baseline_gb"] < bench.TARGETS["memory_gb"]
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_report(tmp_path):
+    assert bench.main(["--smoke", "--no-vit", "--out-dir", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "trainable_seg_cpu-smoke.json").read_text())
+    res = report["results"]
+    assert report["smoke"] is True and report["command"].startswith("python benchmarks/bench_trainable_seg.py")
+    assert res["features_count"] == 63 and res["skimage_mbf_count"] > 0
+    assert res["fit_s"] > 0 and res["predict_s_per_mp"] > 0 and res["memory"]["above_baseline_gb"] >= 0
+    assert np.isfinite(res["train_pixel_accuracy"]) and res["train_pixel_accuracy"] > 0.8
+    assert "| classical features (63 per pixel) |" in (tmp_path / "trainable_seg_cpu-smoke.md").read_text()

@@ -1,0 +1,78 @@
+"""Scribbles, synthetic micrographs and the scribble benchmark of alibi_vit.trainable."""
+
+import numpy as np
+import pytest
+from scipy import ndimage as ndi
+
+from alibi_vit.trainable import mean_iou, scribble_benchmark, scribbles, synthetic_dataset, synthetic_micrograph
+from alibi_vit.trainable.benchmark import remap_masks, write_outputs
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_scribbles_are_always_correct_and_inside_regions(seed):
+    _, mask = synthetic_micrograph(128, phases=3, seed=seed)
+    lab = scribbles(mask, per_class=2, rng=seed, width=3)
+    labelled = lab > 0
+    assert set(np.unique(lab[labelled])) == {1, 2, 3}  # every class gets strokes
+    np.testing.assert_array_equal(lab[labelled], mask[labelled])  # always the true class
+    # Away from the border: every scribbled pixel lies more than `margin` (width + 2) px from another class,
+    # unless its class has no such pixel at all.
+    for c in (1, 2, 3):
+        dist = ndi.distance_transform_edt(mask == c)
+        if dist.max() > 5:
+            assert dist[lab == c].min() > 5
+    # Strokes are lines, not dots: each class has a few dozen pixels at least.
+    assert min((lab == c).sum() for c in (1, 2, 3)) >= 20
+
+
+def test_scribbles_reproducible_and_thin_regions_still_get_one():
+    mask = np.ones((40, 40), int)
+    mask[:, 20:22] = 2  # a 2-px wide class: no pixel is 5 px inside, the innermost pixels are used
+    a, b = scribbles(mask, 1, rng=3), scribbles(mask, 1, rng=3)
+    np.testing.assert_array_equal(a, b)
+    assert (a == 2).any() and np.all(mask[a > 0] == a[a > 0])
+    assert not (scribbles(np.zeros((10, 10), int), 1, rng=0) > 0).any()  # 0 = no class: never scribbled
+
+
+def test_synthetic_micrograph_is_16bit_with_exact_ground_truth():
+    image, mask = synthetic_micrograph((64, 80), phases=4, seed=1)
+    assert image.dtype == np.uint16 and image.shape == mask.shape == (64, 80)
+    assert image.max() <= 4095  # 12 bits used of 16
+    np.testing.assert_array_equal(np.unique(mask), [1, 2, 3, 4])
+    # Equal area fractions by construction (quantile thresholds).
+    np.testing.assert_allclose(np.bincount(mask.ravel())[1:] / mask.size, 0.25, atol=1e-3)
+    # Phases differ in mean grey level: the ground truth describes the image.
+    means = [image[mask == c].mean() for c in (1, 2, 3, 4)]
+    assert np.ptp(means) > 500
+    image2, mask2 = synthetic_micrograph((64, 80), phases=4, seed=1)
+    np.testing.assert_array_equal(image, image2)
+
+
+def test_mean_iou_by_hand_and_mask_remapping():
+    truth = np.array([[1, 1, 2, 2]])
+    pred = np.array([[1, 2, 2, 2]])
+    assert mean_iou(pred, truth) == pytest.approx((1 / 2 + 2 / 3) / 2)
+    assert mean_iou(truth, truth) == 1.0
+    masks, values = remap_masks([np.array([[0, 128]]), np.array([[255, 0]])])
+    np.testing.assert_array_equal(values, [0, 128, 255])
+    np.testing.assert_array_equal(masks[0], [[1, 2]])
+    np.testing.assert_array_equal(masks[1], [[3, 1]])
+
+
+def test_benchmark_end_to_end_on_synthetic_data(tmp_path):
+    (tr, trm), (te, tem) = synthetic_dataset(2, 2, size=80, seed=0)
+    kwargs = dict(rounds=3, seed=0, segmenter_kwargs=dict(classifier_params={"n_estimators": 15, "n_jobs": 1},
+                                                          sigmas=(0, 1, 2, 4)))
+    rows, preds, masks = scribble_benchmark(tr, trm, te, tem, **kwargs)
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    pixels = [r["scribbled_pixels"] for r in rows]
+    assert pixels[0] < pixels[1] < pixels[2]  # scribbles accumulate
+    assert all(0 <= r["miou"] <= 1 for r in rows) and rows[-1]["miou"] > 0.5
+    assert np.mean(preds["classical"][0] == masks[0]) > 0.6
+    rows2, _, _ = scribble_benchmark(tr, trm, te, tem, **kwargs)
+    assert rows2 == rows  # seeded and reproducible
+    paths = write_outputs(tmp_path, rows, preds, te, masks)
+    assert [p.name for p in paths] == ["benchmark.csv", "miou_vs_round.png", "examples.png"]
+    assert (tmp_path / "benchmark.csv").read_text().splitlines()[0] == "method,round,scribbled_pixels,miou"
+    with pytest.raises(ValueError, match="exactly one ground-truth mask"):
+        scribble_benchmark(tr, trm[:1], te, tem)

@@ -1,0 +1,183 @@
+"""TrainableSegmenter: label convention, shapes, tiling, save/load, bad input, accuracy, CRF."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from alibi_vit.trainable import TrainableSegmenter, mean_iou, scribbles, synthetic_dataset
+from alibi_vit.trainable.classifier import balanced_weights
+from helpers import TINY, tiny_model
+
+FAST = dict(classifier_params={"n_estimators": 10, "n_jobs": 1}, sigmas=(0, 1, 4))
+
+
+@pytest.fixture(scope="module")
+def data():
+    (tr, trm), (te, tem) = synthetic_dataset(2, 2, size=96, seed=1)
+    labels = [scribbles(m, 2, rng=i) for i, m in enumerate(trm)]
+    return tr, trm, labels, te, tem
+
+
+def test_balanced_weights_give_every_class_the_same_total():
+    y = np.array([0] * 90 + [1] * 9 + [2])
+    w = balanced_weights(y)
+    totals = [w[y == c].sum() for c in range(3)]
+    np.testing.assert_allclose(totals, len(y) / 3, rtol=1e-6)
+
+
+def test_unlabelled_pixels_are_ignored(data):
+    tr, trm, labels, te, _ = data
+    seg = TrainableSegmenter(**FAST).fit(tr, labels)
+    # Filling the unlabelled pixels with other values must not change anything once they are 0 again,
+    # and a label 0 is never predicted.
+    assert set(np.unique(seg.predict(te)[0])) <= {1, 2, 3}
+    # Adding unlabelled (0) images or relabelling 0 pixels as 0 is a no-op; putting wrong labels there is not.
+    seg2 = TrainableSegmenter(**FAST).fit(list(tr) + [tr[0]], labels + [np.zeros_like(labels[0])])
+    np.testing.assert_array_equal(seg.predict_proba(te)[0], seg2.predict_proba(te)[0])
+    noisy = [np.where(lab > 0, lab, 1) for lab in labels]
+    seg3 = TrainableSegmenter(**FAST).fit(tr, noisy)
+    assert not np.array_equal(seg.predict(te)[0], seg3.predict(te)[0])
+
+
+def test_class_values_need_not_be_contiguous(data):
+    tr, trm, labels, te, _ = data
+    seg = TrainableSegmenter(**FAST).fit(tr, [np.where(lab == 3, 7, lab) for lab in labels])
+    np.testing.assert_array_equal(seg.classes_, [1, 2, 7])
+    assert set(np.unique(seg.predict(te)[0])) <= {1, 2, 7}
+    proba = seg.predict_proba(te)[0]
+    assert proba.shape == te[0].shape + (3,)
+    np.testing.assert_allclose(proba.sum(-1), 1, atol=1e-5)
+
+
+def test_classical_xgboost_reaches_high_miou_on_synthetic_3_phase():
+    (tr, trm), (te, tem) = synthetic_dataset(3, 3, size=256, seed=0)
+    rng = np.random.default_rng(0)
+    labels = [scribbles(m, 3, rng) for m in trm]  # three scribbles per class per image
+    seg = TrainableSegmenter(classifier_params={"n_jobs": 1}).fit(tr, labels)
+    miou = np.mean([mean_iou(p, t) for p, t in zip(seg.predict(te), tem)])
+    assert miou >= 0.8, miou
+
+
+def test_random_forest_option_learns(data):
+    tr, trm, labels, te, tem = data
+    seg = TrainableSegmenter(classifier="random_forest", classifier_params={"n_estimators": 20, "n_jobs": 1},
+                             sigmas=(0, 1, 4)).fit(tr, labels)
+    assert np.mean([mean_iou(p, t) for p, t in zip(seg.predict(te), tem)]) > 0.5
+
+
+def test_tiled_prediction_equals_whole_image_prediction(data):
+    tr, trm, labels, te, _ = data
+    seg = TrainableSegmenter(tiny_model(dtype=torch.float32), n_components=3, **FAST, tile=1008).fit(tr, labels)
+    image = te[0][:70, :60]
+    features, proba = seg.features(image), seg.predict_proba([image])[0]
+    seg.tile = 28  # 28-px cores: 9 tiles, each featurised with its own margin
+    np.testing.assert_allclose(seg.features(image), features, rtol=1e-5, atol=1e-5)  # float32 rounding
+    np.testing.assert_allclose(seg.predict_proba([image])[0], proba, atol=1e-5)
+
+
+@pytest.mark.parametrize("backbone", [None, "name", "module"])
+def test_save_load_gives_identical_predictions(tmp_path, data, backbone):
+    tr, trm, labels, te, _ = data
+    kwargs = dict(FAST, n_components=3)
+    if backbone == "name":
+        seg = TrainableSegmenter("alibi_vit_small_patch14_reg4_dinov2", model_kwargs=TINY, **kwargs)
+    elif backbone == "module":
+        module = tiny_model(dtype=torch.float32)
+        seg = TrainableSegmenter(module, **kwargs)
+    else:
+        seg = TrainableSegmenter(**kwargs)
+    seg.fit(tr, labels)
+    seg.save(tmp_path / "m")
+    files = sorted(p.name for p in (tmp_path / "m").iterdir())
+    assert "classifier.json" in files and "config.json" in files
+    assert not any(name.endswith((".pkl", ".pickle", ".joblib")) for name in files)
+    json.loads((tmp_path / "m" / "classifier.json").read_text())  # XGBoost's own JSON format
+    if backbone == "module":
+        with pytest.raises(ValueError, match="custom backbone"):
+            TrainableSegmenter.load(tmp_path / "m")
+        loaded = TrainableSegmenter.load(tmp_path / "m", backbone=module)
+    else:
+        loaded = TrainableSegmenter.load(tmp_path / "m")
+    np.testing.assert_array_equal(seg.predict_proba(te)[0], loaded.predict_proba(te)[0])
+    np.testing.assert_array_equal(seg.predict(te)[1], loaded.predict(te)[1])
+
+
+def test_prediction_shape_equals_image_shape_for_any_size(data):
+    tr, trm, labels, _, _ = data
+    seg = TrainableSegmenter(tiny_model(dtype=torch.float32), n_components=3, **FAST).fit(tr, labels)
+    rng = np.random.default_rng(0)
+    for shape in ((45, 61), (97, 29), (10, 5)):  # no multiple of 14; the last smaller than a patch
+        image = (rng.random(shape) * 60000).astype(np.uint16)
+        assert seg.predict([image])[0].shape == shape
+        assert seg.predict_proba([image])[0].shape == shape + (3,)
+
+
+def test_bad_labels_give_clear_errors(data):
+    tr, trm, labels, _, _ = data
+    seg = TrainableSegmenter(**FAST)
+    with pytest.raises(ValueError, match="px but its image is"):
+        seg.fit(tr, [labels[0][:-1], labels[1]])
+    with pytest.raises(ValueError, match="no labelled pixel"):
+        seg.fit(tr, [np.zeros_like(lab) for lab in labels])
+    with pytest.raises(ValueError, match="at least two classes"):
+        seg.fit(tr, [np.where(lab > 0, 1, 0) for lab in labels])
+    with pytest.raises(ValueError, match="non-integer"):
+        seg.fit(tr, [lab + 0.5 for lab in labels])
+    with pytest.raises(ValueError, match="RGB"):
+        seg.fit(tr, [np.stack([lab] * 3, -1) for lab in labels])
+    with pytest.raises(ValueError, match="3D stack"):
+        seg.fit([np.stack([tr[0]] * 5)], [labels[0]])
+    with pytest.raises(ValueError, match="3D stack"):
+        seg.fit(np.stack([tr[0]] * 5), np.stack([labels[0]] * 5))
+    with pytest.raises(ValueError, match="2 images but 1 label"):
+        seg.fit(tr, labels[:1])
+    with pytest.raises(ValueError, match="not trained"):
+        seg.predict(tr)
+    # Integer-valued float labels are fine: the same model as with integer labels.
+    a = TrainableSegmenter(**FAST).fit(tr, [lab.astype(np.float32) for lab in labels]).predict(tr[:1])[0]
+    b = TrainableSegmenter(**FAST).fit(tr, labels).predict(tr[:1])[0]
+    np.testing.assert_array_equal(a, b)
+
+
+def test_class_present_in_one_image_only(data):
+    tr, trm, labels, te, _ = data
+    only_first = [labels[0], np.where(labels[1] == 3, 0, labels[1])]
+    seg = TrainableSegmenter(**FAST).fit(tr, only_first)
+    np.testing.assert_array_equal(seg.classes_, [1, 2, 3])
+    assert 3 in seg.predict(te)[0]
+
+
+def test_dense_crf_smooths_noisy_probabilities():
+    pytest.importorskip("pydensecrf")
+    from alibi_vit.trainable import dense_crf
+
+    # Two halves; probabilities right on average but noisy per pixel. The CRF must fix most errors.
+    rng = np.random.default_rng(0)
+    truth = np.zeros((40, 40), int)
+    truth[:, 20:] = 1
+    image = truth * 0.6 + 0.2
+    p1 = np.clip(np.where(truth == 1, 0.65, 0.35) + rng.normal(0, 0.25, truth.shape), 0.01, 0.99)
+    proba = np.stack([1 - p1, p1], -1).astype(np.float32)
+    refined = dense_crf(proba, image)
+    assert refined.shape == proba.shape
+    np.testing.assert_allclose(refined.sum(-1), 1, atol=1e-4)
+    err_before = (proba.argmax(-1) != truth).mean()
+    err_after = (refined.argmax(-1) != truth).mean()
+    assert err_before > 0.1 and err_after < 0.25 * err_before
+
+
+def test_crf_option_predicts_and_survives_save_load(tmp_path, data):
+    pytest.importorskip("pydensecrf")
+    tr, trm, labels, te, tem = data
+    plain = TrainableSegmenter(**FAST).fit(tr, labels)
+    seg = TrainableSegmenter(**FAST, crf=True, crf_params={"iterations": 5}).fit(tr, labels)
+    proba = seg.predict_proba(te[:1])[0]
+    assert proba.shape == te[0].shape + (3,)
+    np.testing.assert_allclose(proba.sum(-1), 1, atol=1e-4)
+    assert not np.allclose(proba, plain.predict_proba(te[:1])[0], atol=1e-3)  # the CRF changed something
+    seg.save(tmp_path / "crf")
+    loaded = TrainableSegmenter.load(tmp_path / "crf")
+    assert loaded.crf and loaded.crf_params == {"iterations": 5}
+    np.testing.assert_array_equal(loaded.predict(te[:1])[0], seg.predict(te[:1])[0])
