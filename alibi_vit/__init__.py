@@ -1,7 +1,7 @@
 """ViTs without positional bias: DINOv2 with a 2D wrapped ALiBi attention bias (ALiBi-Dv2).
 
-Importing this package registers the timm models ``alibi_vit_*_patch14_reg4_dinov2`` and
-``nope_vit_*_patch14_reg4_dinov2``: at once if timm is already imported, otherwise as soon as
+Importing this package registers the timm models ``alibi_vit_*``/``nope_vit_*`` (DINOv2 and
+DINOv3) and the baselines ``blanked_``/``tavg_``/``sincos_vit_small_patch14_reg4_dinov2``: at once if timm is already imported, otherwise as soon as
 timm is (``timm.create_model`` needs ``import timm`` anyway). Everything else loads on first
 use, so ``import alibi_vit`` and the ``alibi-vit`` command's help do not pay for PyTorch, timm
 or scikit-learn.
@@ -12,13 +12,15 @@ import importlib.abc
 import importlib.util
 import sys
 
-__all__ = ["MODEL_NAMES", "AlibiVisionTransformer", "check_model_name", "checkpoint_metadata", "convert_to_alibi",
-           "convert_to_nope", "create_backbone", "grid_size_of", "load_state_dict_file", "load_weights",
-           "patch_features"]
+__all__ = ["BASELINE_NAMES", "DINOV3_NAMES", "MODEL_NAMES", "RELEASES", "AlibiEva", "AlibiVisionTransformer",
+           "blank_channels", "check_model_name", "checkpoint_metadata", "convert_to_alibi", "convert_to_nope",
+           "create_backbone", "grid_size_of", "load_state_dict_file", "load_weights", "patch_features",
+           "transform_average"]
 
 # Public names and the submodule that defines each (PEP 562: imported when first used).
 _ATTRIBUTES = {
-    "MODEL_NAMES": "models",
+    "MODEL_NAMES": "models", "DINOV3_NAMES": "models", "BASELINE_NAMES": "models", "RELEASES": "models",
+    "AlibiEva": "dinov3", "blank_channels": "baselines", "transform_average": "baselines",
     "AlibiVisionTransformer": "vision_transformer", "convert_to_alibi": "vision_transformer",
     "convert_to_nope": "vision_transformer",
     "check_model_name": "checkpoint", "checkpoint_metadata": "checkpoint", "create_backbone": "checkpoint",

@@ -1,10 +1,11 @@
-"""The attention layer of ALiBi (and NoPE) ViTs: timm's ``Attention`` with the 2D bias added.
+"""The attention layers of ALiBi (and NoPE) ViTs: timm's ``Attention`` (DINOv2) and
+``EvaAttention`` (DINOv3) with the 2D bias added.
 
-It keeps timm's parameter names (``qkv``, ``proj``, ``q_norm``…), so a converted model's
-state_dict is a plain timm state_dict; a learned slope adds ``m`` of shape (heads, 1, 1), the
-constant and geometric slopes are non-persistent buffers. The patch grid of the current
+They keep timm's parameter names (``qkv``, ``proj``, ``q_norm``, ``q_bias``…), so a converted
+model's state_dict is a plain timm state_dict; a learned slope adds ``m`` of shape (heads, 1, 1),
+the constant and geometric slopes are non-persistent buffers. The patch grid of the current
 forward pass comes from a :class:`PatchGrid` shared with the model, which sets it from the
-patch embedding's output.
+patch embedding's output. Both layers share one bias path (:class:`PositionBias`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import Attention
+from timm.models.eva import EvaAttention
 
 from kernels import alibi_attention
 from kernels.alibi_bias import patch_distances
@@ -41,8 +43,12 @@ def initial_slopes(scheme: str, num_heads: int) -> torch.Tensor:
     return torch.ones(num_heads, 1, 1)
 
 
-class AlibiAttention(Attention):
-    """timm ``Attention`` whose logits get ``m_h · B`` (README.md "Method" §2), or no position at all (NoPE)."""
+class PositionBias:
+    """The 2D ALiBi bias (or none, for NoPE) of one attention layer: options, slopes and the attention call.
+
+    A mixin for timm attention modules; subclasses compute q, k, v their own way and call
+    :meth:`_attend`.
+    """
 
     def configure_position(self, patch_grid: PatchGrid, num_prefix_tokens: int, *, use_bias: bool = True,
                            slopes: str = "constant", wrap: bool = True, normalize: bool = True,
@@ -65,7 +71,7 @@ class AlibiAttention(Attention):
         # Re-configuring replaces the previous slope, parameter or buffer.
         self._parameters.pop("m", None)
         self._buffers.pop("m", None)
-        m = initial_slopes(slopes, self.num_heads).to(self.qkv.weight.device)
+        m = initial_slopes(slopes, self.num_heads).to(self.proj.weight.device)
         if slopes == "learned":
             self.m = nn.Parameter(m)
         else:
@@ -83,26 +89,28 @@ class AlibiAttention(Attention):
         bias[p:, p:] = -(dist + noise)
         return bias.to(dtype)
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+    def _check_call(self, attn_mask, is_causal):
         if attn_mask is not None or is_causal:
             raise ValueError("ALiBi/NoPE attention takes no attention mask and is never causal")
         grid = self.patch_grid.size
         if grid is None:
             raise RuntimeError("the patch grid is unknown: call the whole model, not its blocks alone")
-        B, N, _ = x.shape
-        gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
+        return grid
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid) -> torch.Tensor:
+        """softmax(q kᵀ/√d + m_h·B) v on (B, heads, N, d) tensors, with the options of this layer."""
         if not self.use_bias:
-            x = F.scaled_dot_product_attention(q, k, v)
-        elif self.jitter > 0:
-            bias = self._jittered_bias(grid, N, q.device, q.dtype)
-            x = F.scaled_dot_product_attention(q, k, v, attn_mask=self.m.to(q.dtype) * bias)
-        else:
-            slopes = None if self.slope_scheme == "constant" else self.m.view(-1)
-            x = alibi_attention(q, k, v, grid, self.num_prefix_tokens, slopes, wrap=self.wrap,
-                                normalize=self.normalize, backend=self.backend)
+            return F.scaled_dot_product_attention(q, k, v)
+        if self.jitter > 0:
+            bias = self._jittered_bias(grid, q.shape[-2], q.device, q.dtype)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.m.to(q.dtype) * bias)
+        slopes = None if self.slope_scheme == "constant" else self.m.view(-1)
+        return alibi_attention(q, k, v, grid, self.num_prefix_tokens, slopes, wrap=self.wrap,
+                               normalize=self.normalize, backend=self.backend)
+
+    def _finish(self, x: torch.Tensor, gate) -> torch.Tensor:
+        # (B, heads, N, d) → (B, N, C), then the layer's own output norm, gate and projection.
+        B, _, N, _ = x.shape
         x = x.transpose(1, 2).reshape(B, N, -1)
         x = self.norm(x)
         if gate is not None:
@@ -115,3 +123,38 @@ class AlibiAttention(Attention):
         return (f"slopes={self.slope_scheme}, wrap={self.wrap}, normalize={self.normalize}, "
                 f"jitter={self.jitter}, backend={self.backend}")
 
+
+class AlibiAttention(PositionBias, Attention):
+    """timm ``Attention`` whose logits get ``m_h · B`` (README.md "Method" §2), or no position at all (NoPE)."""
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        grid = self._check_call(attn_mask, is_causal)
+        B, N, _ = x.shape
+        gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        return self._finish(self._attend(q, k, v, grid), gate)
+
+
+class AlibiEvaAttention(PositionBias, EvaAttention):
+    """timm ``EvaAttention`` (DINOv3's attention) with RoPE replaced by ``m_h · B``, or by nothing (NoPE)."""
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                is_causal: bool = False) -> torch.Tensor:
+        if rope is not None:
+            raise ValueError("ALiBi/NoPE DINOv3 attention takes no rotary embedding: position is the 2D bias")
+        grid = self._check_call(attn_mask, is_causal)
+        B, N, _ = x.shape
+        gate = self.gate(x).sigmoid() if self.gate is not None else None
+        if self.qkv is not None:
+            # EVA keeps q and v biases apart; the k bias is a fixed zero buffer (a key bias cannot
+            # change a softmax over keys).
+            bias = None if self.q_bias is None else torch.cat((self.q_bias, self.k_bias, self.v_bias))
+            qkv = F.linear(x, self.qkv.weight, bias)
+            q, k, v = qkv.reshape(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            q, k, v = (proj(x).reshape(B, N, self.num_heads, -1).transpose(1, 2)
+                       for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = self.q_norm(q), self.k_norm(k)
+        return self._finish(self._attend(q, k, v, grid), gate)

@@ -116,7 +116,14 @@ def _first(keys, n: int = _SHOWN_KEYS) -> str:
 
 
 def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str = "state_dict") -> None:
-    """Load strictly; a key or shape mismatch is a ValueError that counts each kind and names the first keys."""
+    """Load strictly; a key or shape mismatch is a ValueError that counts each kind and names the first keys.
+
+    Models that translate other checkpoint formats (released files without ``pos_embed``, Meta's
+    DINOv3 key names) do it in their ``adapt_state_dict`` first, so the comparison sees their own keys.
+    """
+    adapt = getattr(model, "adapt_state_dict", None)
+    if adapt is not None:
+        state_dict = adapt(state_dict)
     own = model.state_dict()
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
@@ -146,8 +153,9 @@ def check_model_name(name: str) -> None:
         return
     close = difflib.get_close_matches(name, sorted(set(timm.list_models()) | set(MODEL_NAMES)), n=4, cutoff=0.6)
     hint = (f"did you mean {', '.join(close)}?" if close else
-            f"this project's are {MODEL_NAMES[0]} and its base/large/giant and nope_vit_* twins; "
-            "timm.list_models('*dinov2*') lists timm's")
+            "this project's are alibi_vit_*/nope_vit_* of DINOv2 (patch14_reg4_dinov2) and DINOv3 "
+            "(patch16_dinov3), and the baselines blanked_/tavg_/sincos_vit_small_patch14_reg4_dinov2, each with "
+            "weight tags (README: model names and tags); timm.list_models('*dinov*') lists timm's")
     raise ValueError(f"unknown model {name!r}; {hint}")
 
 

@@ -4,6 +4,12 @@ The learned ``pos_embed`` stays in the state_dict under its timm name (zeroed an
 checkpoints keep timm's format, but the forward pass no longer adds it: position enters only
 through the attention bias, which is defined for any grid. The patch embedding therefore
 accepts any image size that is a multiple of the patch size, with no interpolation step.
+
+Loading a state_dict into a converted model (``load_state_dict``, timm's ``checkpoint_path``,
+released checkpoints) follows the release rules of README.md "Method" §10: a missing
+``pos_embed`` is filled with zeros, a zero one of another grid size is replaced by zeros of
+this model's shape, and a non-zero (learned) one is an error, since the model would silently
+ignore it. A checkpoint of a DINOv3 model is refused with an error naming both architectures.
 """
 
 from __future__ import annotations
@@ -14,7 +20,65 @@ from timm.models.vision_transformer import VisionTransformer
 
 from .attention import AlibiAttention, PatchGrid
 
-__all__ = ["AlibiVisionTransformer", "convert_to_alibi", "convert_to_nope"]
+__all__ = ["AlibiVisionTransformer", "checkpoint_family", "convert_to_alibi", "convert_to_nope", "strict_filter"]
+
+DINOV3_META, DINOV3_TIMM, VIT = "DINOv3 (Meta's dinov3 format)", "DINOv3 (timm Eva format)", "DINOv2-style ViT"
+
+
+def checkpoint_family(state_dict) -> str | None:
+    """Which architecture family a state_dict's keys belong to, or None when they do not say.
+
+    Meta's dinov3 code names its 4 extra tokens ``storage_tokens``; timm's DINOv3 (Eva) uses
+    ``blocks.i.gamma_1`` for LayerScale and has no ``qkv.bias``; timm's VisionTransformer
+    (DINOv2, DINO, MAE) has ``pos_embed``, ``ls1.gamma`` or a fused ``qkv.bias``.
+    """
+    keys = list(state_dict)
+    if "storage_tokens" in state_dict:
+        return DINOV3_META
+    if any(k.endswith((".gamma_1", ".q_bias")) or k.startswith("rope.") for k in keys):
+        return DINOV3_TIMM
+    if "pos_embed" in state_dict or "register_tokens" in state_dict or any(
+            k.endswith((".ls1.gamma", ".attn.qkv.bias")) for k in keys):
+        return VIT
+    return None
+
+
+def architecture_name(model) -> str:
+    """The timm name a model was built under (``pretrained_cfg['architecture']``), else its class."""
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    return cfg.get("architecture") or type(model).__name__
+
+
+def strict_filter(state_dict: dict, model) -> dict:
+    """timm ``pretrained_filter_fn``: the model's ``adapt_state_dict``, then an exact key and shape check.
+
+    timm's loader turns strict loading off when the classifier differs; this check keeps it on
+    for everything but the classifier (``head.*``).
+    """
+    state = model.adapt_state_dict(state_dict)
+    own = model.state_dict()
+    missing = sorted(k for k in own if k not in state and not k.startswith("head."))
+    unexpected = sorted(k for k in state if k not in own)
+    shapes = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+                    for k in state if k in own and state[k].shape != own[k].shape)
+    if missing or unexpected or shapes:
+        parts = [f"{title} ({len(keys)}): {', '.join(keys[:5])}" for title, keys in
+                 (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", shapes)) if keys]
+        raise ValueError(f"pretrained weights do not match {architecture_name(model)}: " + "; ".join(parts))
+    return state
+
+
+def adapt_in_place(model, state_dict: dict, prefix: str) -> None:
+    """Replace the keys under ``prefix`` by ``model.adapt_state_dict`` of them (a ``_load_from_state_dict`` step).
+
+    Every way into a model (``load_state_dict``, timm's ``checkpoint_path`` and pretrained loading,
+    a parent module's checkpoint) passes there, before any key is compared.
+    """
+    local = {k[len(prefix):]: k for k in state_dict if k.startswith(prefix)}
+    adapted = model.adapt_state_dict({k: state_dict[full] for k, full in local.items()})
+    for full in local.values():
+        del state_dict[full]
+    state_dict.update({prefix + k: v for k, v in adapted.items()})
 
 
 class AlibiVisionTransformer(VisionTransformer):
@@ -25,6 +89,37 @@ class AlibiVisionTransformer(VisionTransformer):
     """
 
     patch_grid: PatchGrid
+
+    def adapt_state_dict(self, state_dict: dict) -> dict:
+        """A state_dict made loadable into this model by the release rules (see the module docstring).
+
+        Returns a new dict; raises ValueError for a DINOv3 checkpoint or a learned ``pos_embed``.
+        """
+        family = checkpoint_family(state_dict)
+        if family in (DINOV3_META, DINOV3_TIMM):
+            raise ValueError(f"the checkpoint holds a {family} model, but {architecture_name(self)} is a "
+                             f"DINOv2-architecture ViT (patch {self.patch_embed.patch_size[0]}, learned-position "
+                             "layout); load it into an alibi_vit_*_patch16_dinov3 / nope_vit_*_patch16_dinov3 model")
+        state = dict(state_dict)
+        if self.pos_embed is None:
+            return state
+        own = self.pos_embed
+        given = state.get("pos_embed")
+        if given is not None and torch.count_nonzero(given) > 0:
+            raise ValueError(f"the checkpoint holds a learned (non-zero) pos_embed {tuple(given.shape)}, but "
+                             f"{architecture_name(self)} carries no absolute position and would silently ignore "
+                             "it: this is not an ALiBi/NoPE checkpoint. Start from DINOv2 weights with "
+                             "pretrained=True (tag .lvd142m), or load them into timm's VisionTransformer and "
+                             "call alibi_vit.convert_to_alibi")
+        # Absent, or zero for another grid: the model's own zero table (it is never added anyway).
+        state["pos_embed"] = torch.zeros(own.shape, dtype=given.dtype if given is not None else own.dtype)
+        return state
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        adapt_in_place(self, state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
         B, h, w, C = x.shape  # NHWC from the patch embedding
@@ -41,6 +136,12 @@ class AlibiVisionTransformer(VisionTransformer):
 
 
 def _convert(model, *, use_bias, **position_kwargs):
+    from timm.models.eva import Eva
+
+    if isinstance(model, Eva):  # timm's DINOv3
+        from .dinov3 import convert_eva
+
+        return convert_eva(model, use_bias=use_bias, **position_kwargs)
     if not isinstance(model, VisionTransformer) or type(model) not in (VisionTransformer, AlibiVisionTransformer):
         raise TypeError(f"expected a timm VisionTransformer, got {type(model).__name__}")
     for i, block in enumerate(model.blocks):
@@ -69,6 +170,9 @@ def convert_to_alibi(model: VisionTransformer, *, slopes: str = "constant", wrap
                      normalize: bool = True, jitter: float = 0.0, jitter_seed: int = 0,
                      backend: str = "auto") -> AlibiVisionTransformer:
     """Turn a timm VisionTransformer (DINOv2, DINO, MAE, with or without registers) into an ALiBi ViT.
+
+    A timm DINOv3 ``Eva`` (``vit_*_patch16_dinov3``) is converted too: RoPE is switched off and the
+    result is an :class:`alibi_vit.dinov3.AlibiEva`.
 
     In place (the same object is returned): ``pos_embed`` is zeroed, frozen and no longer
     added; every attention layer adds ``m_h · B`` with ``B`` the 2D bias of README.md "Method" §2.

@@ -219,9 +219,9 @@ class SegmentationProbeModule(L.LightningModule):
         if pretrained:  # before any warning or download: no weights offline is one clear error, at once
             build_kwargs.update(local_pretrained_overlay(backbone, backbone_kwargs))
         if backbone in MODEL_NAMES and backbone_checkpoint is None and pretrained:
-            rank_zero_warn(f"{backbone} without a checkpoint starts from DINOv2 weights converted without "
-                           "distillation; pass model.backbone_checkpoint=<distilled state_dict> to probe "
-                           "ALiBi-Dv2/NoPE")
+            rank_zero_warn(f"{backbone} without a checkpoint starts from DINOv2/DINOv3 weights converted without "
+                           "distillation; pass model.backbone_checkpoint=<distilled state_dict>, or a released tag "
+                           "such as alibi_vit_small_patch14_reg4_dinov2.dinosaw_coco, to probe ALiBi/NoPE models")
         self.backbone = create_backbone(backbone, pretrained=pretrained, checkpoint=backbone_checkpoint,
                                         **build_kwargs)
         self.backbone.requires_grad_(False).eval()

@@ -129,7 +129,9 @@ def test_mismatch_summary_of_a_default_size_model_stays_short(tmp_path):
         alibi_vit.load_weights(alibi_vit.create_backbone(NAME), alibi_vit.load_state_dict_file(path),
                                source=str(path))
     message = str(err.value)
-    assert "missing keys (140): " in message and "shape mismatches (35): " in message
+    # Every one of the 35 exported tensors has the wrong width except pos_embed: a zero one is refilled
+    # at the model's own shape by the release rules.
+    assert "missing keys (140): " in message and "shape mismatches (34): " in message
     assert len(message) < 1000  # it used to list every key: about 10 KB
 
 

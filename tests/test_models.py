@@ -9,6 +9,8 @@ from safetensors.torch import save_file
 
 import alibi_vit
 from alibi_vit import MODEL_NAMES, convert_to_alibi, convert_to_nope, create_backbone, patch_features
+from alibi_vit.models import DINOV2_NAMES
+from alibi_vit.dinov3 import DINOV3_NAMES
 from tests.helpers import TINY, tiny_model
 
 PATCH = 14
@@ -19,13 +21,18 @@ def features(model, images):
         return patch_features(model, images)
 
 
-@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("name", DINOV2_NAMES)
 def test_every_registered_model_builds_and_runs(name):
     model = tiny_model(name, depth=1, dtype=torch.float32)
     assert name in timm.list_models("*_patch14_reg4_dinov2")
     assert model.num_prefix_tokens == 5
     out = features(model, torch.randn(1, 3, 2 * PATCH, 3 * PATCH))
     assert out.shape == (1, 32, 2, 3)
+
+
+def test_model_names_list_dinov2_and_dinov3_models():
+    assert MODEL_NAMES == DINOV2_NAMES + DINOV3_NAMES
+    assert all(timm.is_model(name) for name in MODEL_NAMES)
 
 
 def test_architecture_matches_dinov2_small():
