@@ -186,7 +186,7 @@ def create_backbone(name: str, *, pretrained: bool = False, checkpoint=None, **m
         from_file = {k: v for k, v in recorded.items() if k not in model_kwargs}
         model_kwargs = {**recorded, **model_kwargs}
     given = ", ".join(f"{k}={v!r}" for k, v in model_kwargs.items())
-    if name not in MODEL_NAMES:
+    if name.partition(".")[0] not in MODEL_NAMES:  # "NAME.TAG" picks weights, not the architecture
         model_kwargs.setdefault("dynamic_img_size", True)
     model_kwargs.setdefault("num_classes", 0)
     try:
