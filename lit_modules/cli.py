@@ -2,15 +2,25 @@
 
 A plain :class:`~lightning.pytorch.cli.LightningCLI` in subclass mode: the config names the
 LightningModule and LightningDataModule by ``class_path``, so distillation, segmentation
-probes and any later job share this one entry point. Two additions, both for jobs that are
+probes and any later job share this one entry point. Additions, mostly for jobs that are
 preempted and requeued on a cluster:
 
 - ``--run_dir DIR`` gives a run one stable folder: ``trainer.default_root_dir`` (where
   Lightning writes its SLURM ``hpc_ckpt_*.ckpt``), a TensorBoard logger that writes straight
-  into ``DIR`` instead of a new ``version_N`` per restart, and so ModelCheckpoint's default
+  into ``DIR`` instead of a new ``version_N`` per restart (a logger the config names, e.g. the
+  probe configs' TensorBoardLogger, is pointed there too), and so ModelCheckpoint's default
   folder ``DIR/checkpoints``.
+- A value given on the command line beats the config's: ``--trainer.default_root_dir=X`` with
+  a config that sets ``run_dir`` moves the run dir to X; a logger's ``save_dir`` from the config
+  follows ``--trainer.default_root_dir``. Only contradicting values given at the same level
+  (both on the command line, or both in configs) are an error.
 - ``--ckpt_path=last`` also considers Lightning's SLURM checkpoints: Lightning alone resumes
   from ``last.ckpt`` even when the checkpoint saved at preemption is newer.
+- Every ``fit`` gets a :class:`~lit_modules.callbacks.LastCheckpoint` (unless the config lists
+  one): ``last.ckpt`` holds the final step, and SIGTERM or SLURM's requeue signal save it at
+  the next step boundary and end the command with exit code 128 + signal number.
+- A fit that fails before its first training step removes the log folder it created (no empty
+  ``version_N`` left behind).
 
 The config is saved with ``overwrite=True`` because a requeued job reuses its log folder.
 """
@@ -19,16 +29,21 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import sys
-from typing import Optional
+from typing import Iterable, Optional
 
+from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-__all__ = ["ProjectCLI", "cli", "main", "newest_resume_checkpoint"]
+from lit_modules.callbacks import LastCheckpoint
+
+__all__ = ["ConfigurationError", "ProjectCLI", "cli", "main", "newest_resume_checkpoint"]
 
 
 def newest_resume_checkpoint(trainer) -> Optional[str]:
@@ -42,27 +57,91 @@ def newest_resume_checkpoint(trainer) -> Optional[str]:
     return max(existing, key=os.path.getmtime) if existing else None
 
 
+def _command_line_keys(args: Iterable) -> set[str]:
+    """The option names (``run_dir``, ``trainer.default_root_dir``...) in a command line; configs are not opened."""
+    return {a[2:].split("=", 1)[0] for a in args if isinstance(a, str) and a.startswith("--")}
+
+
+def _as_list(value) -> list:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _same_dir(a, b) -> bool:
+    return os.path.abspath(os.path.expanduser(str(a))) == os.path.abspath(os.path.expanduser(str(b)))
+
+
+class ConfigurationError(ValueError):
+    """A model, datamodule or trainer that cannot be built from the configuration; ``lightning`` prints one line."""
+
+
 class ProjectCLI(LightningCLI):
-    """LightningCLI with a stable per-run folder and a ``ckpt_path=last`` that knows SLURM checkpoints."""
+    """LightningCLI with a stable per-run folder, command-line precedence, resumable stops and no empty log folders."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
             "--run_dir", type=Optional[str], default=None,
             help="One stable folder for logs and checkpoints (keep it fixed across requeues): sets "
-                 "trainer.default_root_dir and, unless trainer.logger is configured, a TensorBoardLogger "
-                 "writing straight into it; ModelCheckpoint then defaults to RUN_DIR/checkpoints.")
+                 "trainer.default_root_dir and a TensorBoardLogger writing straight into it (a logger the config "
+                 "names is pointed there); ModelCheckpoint then defaults to RUN_DIR/checkpoints.")
+
+    def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        # Which keys the user typed: a value given there beats the config's (before_instantiate_classes).
+        if isinstance(args, (dict, Namespace)):
+            self._given = set()
+        else:
+            self._given = _command_line_keys(sys.argv[1:] if args is None else args)
+        super().parse_arguments(parser, args)
+
+    def _subconfig(self, config):
+        return config[self.subcommand] if self.subcommand else config
+
+    def before_instantiate_classes(self) -> None:
+        config = self._subconfig(self.config)
+        given = getattr(self, "_given", set())
+        run_dir, root = config.get("run_dir"), config.get("trainer.default_root_dir")
+        if run_dir and root is not None and not _same_dir(run_dir, root):
+            root_given, run_given = "trainer.default_root_dir" in given, "run_dir" in given
+            if root_given and not run_given:
+                rank_zero_info(f"--trainer.default_root_dir={root} replaces the config's run_dir={run_dir}")
+                run_dir = config["run_dir"] = str(root)
+            elif not (run_given and not root_given):
+                where = "on the command line" if root_given else "in the config"
+                raise ValueError(f"run_dir={run_dir} and trainer.default_root_dir={root} are both set {where} "
+                                 "and disagree; set only one")
+        if run_dir:
+            config["trainer.default_root_dir"] = run_dir
+        # A logger the config names follows the folder the user chose, unless its save_dir was typed too.
+        target = run_dir or (root if "trainer.default_root_dir" in given else None)
+        if target is None or any(k.startswith("trainer.logger") and k.endswith("save_dir") for k in given):
+            return
+        for logger in _as_list(config.get("trainer.logger")):
+            init = logger.get("init_args") if isinstance(logger, Namespace) else None
+            if init is None or "save_dir" not in init:
+                continue
+            init["save_dir"] = str(target)
+            if run_dir:  # straight into the run dir, as for the default logger
+                for key in ("name", "version"):
+                    if key in init and not any(k.startswith("trainer.logger") and k.endswith(key) for k in given):
+                        init[key] = ""
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (ValueError, FileNotFoundError) as err:
+            # jsonargparse wraps a constructor's error in several lines about Union subtypes: keep the cause.
+            while isinstance(err.__cause__, (ValueError, FileNotFoundError)):
+                err = err.__cause__
+            raise ConfigurationError(" ".join(str(err).split())) from err
 
     def instantiate_trainer(self, **kwargs):
-        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        config = self._subconfig(self.config_init)
+        trainer_cfg = config.get("trainer", {})
         run_dir = config.get("run_dir")
-        if run_dir:
-            trainer_cfg = config.get("trainer", {})
-            root = trainer_cfg.get("default_root_dir")
-            if root is not None and os.path.abspath(str(root)) != os.path.abspath(run_dir):
-                raise ValueError(f"--run_dir={run_dir} and --trainer.default_root_dir={root} disagree; set only one")
-            kwargs["default_root_dir"] = run_dir
-            if trainer_cfg.get("logger") in (None, True):
-                kwargs["logger"] = TensorBoardLogger(save_dir=run_dir, name="", version="", default_hp_metric=False)
+        if run_dir and trainer_cfg.get("logger") in (None, True):
+            kwargs["logger"] = TensorBoardLogger(save_dir=run_dir, name="", version="", default_hp_metric=False)
+        callbacks = _as_list(trainer_cfg.get("callbacks"))
+        if not any(isinstance(c, LastCheckpoint) for c in callbacks):
+            kwargs["callbacks"] = [*callbacks, LastCheckpoint()]
         return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:
@@ -72,6 +151,23 @@ class ProjectCLI(LightningCLI):
             if newest is not None:
                 rank_zero_info(f"ckpt_path=last: resuming from {newest}")
                 config["ckpt_path"] = newest
+
+    def fit(self, **kwargs) -> None:
+        """``trainer.fit``, removing the log folders it created if it fails before its first training step."""
+        new_dirs = []
+        if rank_zero_only.rank == 0:
+            dirs = [getattr(logger, "log_dir", None) for logger in self.trainer.loggers]
+            new_dirs = [d for d in dirs if isinstance(d, str) and not os.path.exists(d)]
+        try:
+            self.trainer.fit(**kwargs)
+        except BaseException:
+            counters = [c.batches_trained for c in self.trainer.callbacks if isinstance(c, LastCheckpoint)]
+            trained = any(counters) if counters else self.trainer.global_step > 0
+            for d in new_dirs:
+                if not trained and os.path.isdir(d):
+                    shutil.rmtree(d, ignore_errors=True)
+                    rank_zero_info(f"removed {d}: the run failed before its first training step")
+            raise
 
 
 def cli(args=None, *, run: bool = True) -> ProjectCLI:
@@ -90,8 +186,18 @@ def cli(args=None, *, run: bool = True) -> ProjectCLI:
 
 
 def main(args=None) -> int:
-    """Entry point of the ``lightning`` console script; ``main(["fit", "--config", ...])`` works in-process."""
-    cli(args)
+    """Entry point of the ``lightning`` console script; ``main(["fit", "--config", ...])`` works in-process.
+
+    Returns 0, or 2 with a one-line message when the configuration cannot be built (a missing
+    dataset folder, weights that cannot be found offline, ...); a fit stopped by SIGTERM or SLURM's
+    requeue signal raises :class:`~lit_modules.callbacks.TrainingInterrupted`
+    (``SystemExit(128 + signum)``) after saving.
+    """
+    try:
+        cli(args)
+    except ConfigurationError as err:
+        print(f"lightning: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

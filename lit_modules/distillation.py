@@ -1,4 +1,4 @@
-"""Distilling DINOv2 into an ALiBi (or NoPE) student: the recipe of SPEC.md §4.
+"""Distilling DINOv2 into an ALiBi (or NoPE) student: the recipe of README.md "Method" §4.
 
 The teacher is the unmodified DINOv2, frozen; its final-normed patch tokens, with the most
 positional channels zeroed, are the target. The student is the same ViT with ``pos_embed``
@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_warn
 
 import alibi_vit
 from alibi_vit import create_backbone, load_state_dict_file, load_weights, patch_features
@@ -34,10 +35,16 @@ from alibi_vit.images import denormalize, load_image_set, normalize
 from alibi_vit.models import POSITION_KWARGS
 from alibi_vit.probe import positional_r2
 
-__all__ = ["DistillationModule", "build_student", "cosine_distance", "copy_teacher_weights",
+__all__ = ["DistillationModule", "KNOWN_BLANK_CHANNELS", "build_student", "cosine_distance", "copy_teacher_weights",
            "student_state_dict"]
 
-# Parameters an ALiBi student may have that no DINOv2 teacher has: learned slopes (SPEC.md §2).
+# The most positional channels of a teacher's published weights, blanked in the distillation
+# target (README.md "Method" §4), with the architecture they were measured on.
+KNOWN_BLANK_CHANNELS = {
+    "vit_small_patch14_reg4_dinov2": {"channels": (47, 113, 117, 359), "embed_dim": 384, "depth": 12},
+}
+
+# Parameters an ALiBi student may have that no DINOv2 teacher has: learned slopes (README.md "Method" §2).
 _STUDENT_ONLY_KEYS = re.compile(r"^blocks\.\d+\.attn\.m$")
 # Keys never copied from the teacher: the student's position embedding stays zero.
 _NOT_FROM_TEACHER = ("pos_embed",)
@@ -133,13 +140,19 @@ class DistillationModule(LightningModule):
         init_from: ``"teacher"`` (copy the teacher's weights, the paper's start), ``None`` (keep the
             student as built), or a path: a Lightning ``.ckpt`` of this module (stage 2 starts from
             stage 1's) or a plain timm state_dict (``.safetensors``/``.pth``) of the student.
-        blank_channels: target channels set to zero (the most positional ones of DINOv2-S/14-reg4).
+        blank_channels: target channels set to zero, the teacher's most positional ones. ``None``
+            (default): the known list of the teacher's published weights, which exists only for
+            ``vit_small_patch14_reg4_dinov2`` (47, 113, 117, 359; README.md "Method" §4); any
+            other teacher, a changed architecture or a randomly initialised teacher needs an
+            explicit list (rank channels with the positional probe's per-channel R²). ``[]``: no
+            blanking. A known list given for another teacher is an error.
         lr, weight_decay, betas: AdamW over the student's trainable parameters.
-        warmup_steps: linear warmup over this many optimizer steps (0: none).
+        warmup_steps: linear warmup over this many optimizer steps (0: none); clipped, with a
+            warning, to the run's length when the run is shorter.
         lr_schedule: ``"constant"`` or ``"cosine"`` decay to ``min_lr`` over the run, stepped per optimizer step.
         compile_student: run the student's forward through ``torch.compile``.
         probe_image_size: size of the fixed probe and PCA images (a multiple of the patch size).
-        probe_fraction, probe_repeats: positional probe settings (SPEC.md §5).
+        probe_fraction, probe_repeats: positional probe settings (README.md "Method" §5).
         probe_noise_images: number of uniform-noise images probed (0: skip).
         pca_images: number of bundled photos shown as PCA-as-RGB of student features (0: skip).
     """
@@ -153,7 +166,7 @@ class DistillationModule(LightningModule):
         model_kwargs: Optional[dict] = None,
         student_kwargs: Optional[dict] = None,
         init_from: Optional[str] = "teacher",
-        blank_channels: Sequence[int] = (47, 113, 117, 359),
+        blank_channels: Optional[Sequence[int]] = None,
         lr: float = 1e-4,
         weight_decay: float = 0.01,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -186,6 +199,7 @@ class DistillationModule(LightningModule):
         if probe_image_size % patch:
             raise ValueError(f"probe_image_size={probe_image_size} must be a multiple of the patch size {patch}")
         self.blank_channels = self._check_blank_channels(blank_channels)
+        self.hparams["blank_channels"] = self.blank_channels  # checkpoints record the list actually used
         self._initialise_student(init_from)
 
         self._student_forward = None  # compiled lazily, in the process that trains
@@ -205,14 +219,33 @@ class DistillationModule(LightningModule):
                              f"{s.patch_embed.patch_size}")
 
     def _check_blank_channels(self, channels) -> list[int]:
-        dim = self.teacher.num_features
-        channels = [int(c) for c in (channels or [])]
+        name, dim = self.hparams.teacher, self.teacher.num_features
+        known = KNOWN_BLANK_CHANNELS.get(name)
+        how = ("pass an explicit --model.blank_channels=[...] (rank channels with the positional probe's "
+               "per-channel R²), or [] for no blanking")
+        if channels is None:
+            if known is None:
+                raise ValueError(f"no known blank_channels for teacher {name} (the default list is for "
+                                 f"{', '.join(KNOWN_BLANK_CHANNELS)}): {how}")
+            depth = len(self.teacher.blocks)
+            if (dim, depth) != (known["embed_dim"], known["depth"]):
+                raise ValueError(f"the default blank_channels {list(known['channels'])} belong to {name} with "
+                                 f"width {known['embed_dim']} and depth {known['depth']}; this teacher has width "
+                                 f"{dim} and depth {depth}: {how}")
+            if not (self.hparams.teacher_pretrained or self.hparams.teacher_checkpoint):
+                raise ValueError(f"the default blank_channels {list(known['channels'])} belong to {name}'s published "
+                                 f"weights, but this teacher is randomly initialised: {how}")
+            channels = known["channels"]
+        channels = sorted({int(c) for c in channels})
+        for other, entry in KNOWN_BLANK_CHANNELS.items():
+            if other != name and channels == sorted(entry["channels"]):
+                raise ValueError(f"blank_channels {channels} are {other}'s most positional channels, not those of "
+                                 f"teacher {name}: {how}")
         bad = [c for c in channels if not 0 <= c < dim]
         if bad:
-            raise ValueError(
-                f"blank_channels {bad} are out of range for teacher {self.hparams.teacher} with {dim} channels "
-                f"(valid: 0..{dim - 1}); the default [47, 113, 117, 359] is for DINOv2-S/14-reg4")
-        return sorted(set(channels))
+            raise ValueError(f"blank_channels {bad} are out of range for teacher {name} with {dim} channels "
+                             f"(valid: 0..{dim - 1})")
+        return channels
 
     def _initialise_student(self, init_from: Optional[str]) -> None:
         if init_from is None:
@@ -361,21 +394,23 @@ class DistillationModule(LightningModule):
         optimizer = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas))
         if hp.warmup_steps == 0 and hp.lr_schedule == "constant":
             return optimizer
-        total = 0
-        if hp.lr_schedule == "cosine":
-            estimate = float(self.trainer.estimated_stepping_batches)
-            if not math.isfinite(estimate) or estimate <= hp.warmup_steps:
-                raise ValueError(f"a cosine schedule needs a finite run longer than warmup_steps={hp.warmup_steps}; "
-                                 f"the trainer estimates {estimate:g} optimizer steps (set max_steps or max_epochs)")
-            total = int(estimate)
+        total = float(self.trainer.estimated_stepping_batches)
+        if hp.lr_schedule == "cosine" and not math.isfinite(total):
+            raise ValueError("a cosine schedule needs a finite run: set trainer.max_steps or trainer.max_epochs")
+        warmup = hp.warmup_steps
+        if warmup > total:
+            # A short run (a smoke test, a demo with --trainer.max_steps=3) still reaches the peak lr.
+            rank_zero_warn(f"warmup_steps={warmup} is longer than this run's {int(total)} optimizer steps; "
+                           f"warming up over {int(total)} steps instead")
+            warmup = int(total)
         floor = hp.min_lr / hp.lr
 
         def factor(step: int) -> float:
-            if step < hp.warmup_steps:
-                return (step + 1) / hp.warmup_steps
+            if step < warmup:
+                return (step + 1) / warmup
             if hp.lr_schedule == "constant":
                 return 1.0
-            progress = min(1.0, (step - hp.warmup_steps) / (total - hp.warmup_steps))
+            progress = min(1.0, (step - warmup) / max(1.0, total - warmup))
             return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

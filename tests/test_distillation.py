@@ -23,7 +23,7 @@ import alibi_vit  # noqa: F401  (registers the ALiBi models with timm)
 from alibi_vit import patch_features
 from lit_modules.cli import cli, main, newest_resume_checkpoint
 from alibi_vit.feature_maps import shared_pca_rgb
-from lit_modules.distillation import DistillationModule, cosine_distance
+from lit_modules.distillation import KNOWN_BLANK_CHANNELS, DistillationModule, cosine_distance
 from lit_modules.export import export_student
 
 # In-process CLI runs see pytest's own argv too; Lightning warns about that, harmlessly.
@@ -47,6 +47,10 @@ def tiny_module(**overrides) -> DistillationModule:
 
 def images(n=2, size=28, seed=0):
     return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+def load_step(path):
+    return torch.load(path, map_location="cpu", weights_only=True)["global_step"]
 
 
 def scalars(run_dir, tag):
@@ -128,6 +132,59 @@ def test_bad_configuration_errors(tmp_path):
         tiny_module(init_from=str(tmp_path / "partial.pth"))
 
 
+def test_blank_channels_default_belongs_to_the_published_dinov2_s(tmp_path, monkeypatch):
+    # README "Method" §4: DINOv2-S/14-reg4's four most positional channels.
+    assert KNOWN_BLANK_CHANNELS[TEACHER] == {"channels": (47, 113, 117, 359), "embed_dim": 384, "depth": 12}
+    with pytest.raises(ValueError, match=r"width 384 and depth 12; this teacher has width 48 and depth 2.*"
+                                         r"per-channel R²"):
+        tiny_module(blank_channels=None)  # tiny test models need an explicit list
+
+    # The default is used for the listed architecture with real weights (a local checkpoint standing
+    # in for them), refused for a randomly initialised one; checkpoints record the list used. A tiny
+    # entry keeps this fast: the full-size model would only be slower.
+    monkeypatch.setitem(KNOWN_BLANK_CHANNELS, TEACHER, {"channels": (3, 30), "embed_dim": 48, "depth": 2})
+    with pytest.raises(ValueError, match="randomly initialised"):
+        tiny_module(blank_channels=None)
+    weights = tmp_path / "teacher.pth"
+    torch.save(tiny_module().teacher.state_dict(), weights)
+    module = tiny_module(blank_channels=None, teacher_checkpoint=str(weights))
+    assert module.blank_channels == [3, 30] == module.hparams.blank_channels
+    x = images(1, 28)
+    target = module.teacher_targets(x)
+    assert torch.all(target[:, [3, 30]] == 0) and torch.count_nonzero(target[:, 4]) > 0
+    monkeypatch.undo()
+
+    # Any other teacher: no default, and DINOv2-S's list is refused (here in range, so not caught otherwise).
+    base = dict(teacher="vit_base_patch14_reg4_dinov2", student="alibi_vit_base_patch14_reg4_dinov2")
+    with pytest.raises(ValueError, match="no known blank_channels for teacher vit_base_patch14_reg4_dinov2"):
+        tiny_module(blank_channels=None, **base)
+    with pytest.raises(ValueError, match=r"\[47, 113, 117, 359\] are vit_small_patch14_reg4_dinov2's"):
+        tiny_module(blank_channels=[359, 47, 117, 113], **base, model_kwargs={**TINY, "embed_dim": 384})
+    # An explicit empty list: no blanking, the target is the teacher's tokens.
+    module = tiny_module(blank_channels=[])
+    with torch.no_grad():
+        reference = patch_features(module.teacher, x)
+    assert module.blank_channels == [] and torch.equal(module.teacher_targets(x), reference)
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_warmup_longer_than_the_run_is_clipped_with_a_warning(schedule):
+    from lightning.pytorch import Trainer
+
+    module = tiny_module(lr=1e-3, warmup_steps=5, lr_schedule=schedule)
+    module.trainer = Trainer(max_steps=3, logger=False, enable_checkpointing=False, accelerator="cpu")
+    with pytest.warns(UserWarning, match="warmup_steps=5 is longer than this run's 3 optimizer steps"):
+        config = module.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    lrs = []
+    for _ in range(3):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    # A linear warmup over the run's 3 steps: the configured lr is reached at the last one.
+    np.testing.assert_allclose(lrs, [1e-3 / 3, 2e-3 / 3, 1e-3], rtol=1e-6)
+
+
 def test_loss_falls_when_overfitting_one_batch():
     module = tiny_module(init_from=None, lr=3e-3)  # random student: a large initial loss
     optimizer = module.configure_optimizers()
@@ -187,6 +244,8 @@ def test_demo_config_trains_logs_and_checkpoints(demo_run):
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
     assert ckpt["global_step"] == 10
     assert all(k.startswith("student.") for k in ckpt["state_dict"])  # no teacher weights
+    # The final step is also a scheduled one: ModelCheckpoint's own top-k file is still written.
+    assert load_step(demo_run / "checkpoints" / "epoch=0-step=10.ckpt") == 10
     assert (demo_run / "config.yaml").is_file()
 
 

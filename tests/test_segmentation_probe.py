@@ -330,3 +330,21 @@ def test_cached_hub_weights_load_without_any_network(no_network, tmp_path):
     assert set(loaded) == set(source.state_dict())
     for key, value in source.state_dict().items():
         assert torch.equal(loaded[key], value), key
+
+
+def test_lightning_command_prints_the_offline_failure_as_one_line(no_network, monkeypatch, tmp_path, capsys):
+    """`lightning fit --config configs/probe_voc12.yaml` with no weights offline: one line naming the way out, exit 2."""
+    import huggingface_hub
+
+    from datamodules.demo_voc import write_demo_voc
+    from lit_modules.cli import main
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    write_demo_voc(tmp_path / "voc")
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "probe_voc12.yaml")
+    capsys.readouterr()
+    assert main(["fit", "--config", config, f"--data.root={tmp_path / 'voc'}", "--trainer.accelerator=cpu",
+                 f"--trainer.default_root_dir={tmp_path / 'runs'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("lightning: error: "), err
+    assert "--model.backbone_checkpoint" in err[0] and "--model.allow_random_init=true" in err[0]

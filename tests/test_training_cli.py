@@ -1,0 +1,182 @@
+"""The ``lightning`` command's run management, on the tiny demo config on CPU.
+
+last.ckpt at the final step; SIGTERM and SLURM's requeue signal turned into a save at the next
+step boundary, a requeue and a non-zero exit, with an exact resume; command-line values beating
+the config's; probe loggers following the chosen folder; no log folder left by a run that
+failed before training.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+
+from lit_modules.callbacks import LastCheckpoint, TrainingInterrupted
+from lit_modules.cli import cli, main
+
+# In-process CLI runs see pytest's own argv too; Lightning warns about that, harmlessly.
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = str(ROOT / "configs" / "demo.yaml")
+PROBE = str(ROOT / "configs" / "probe_voc07.yaml")
+# Demo without validation: 88 tiles / batch 8 = 11 steps per epoch; the demo's ModelCheckpoint
+# saves every 10 steps.
+# Constant lr after the 5-step warmup: the schedule does not depend on max_steps, so a run extended
+# from a finished one can match the straight run.
+FAST = ["--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--model.lr_schedule=constant"]
+STEPS = 14  # crosses the epoch boundary at 11 and is not a multiple of every_n_train_steps=10
+
+
+def demo(run_dir, *overrides, run=True):
+    args = ["--config", DEMO, f"--run_dir={run_dir}", *FAST, *overrides]
+    return cli(["fit", *args] if run else args, run=run)
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_tensors(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+class SendSignal(Callback):
+    """Sends ``signum`` to this process in the middle of the training step at ``step`` (after backward)."""
+
+    def __init__(self, signum: int, step: int):
+        self.signum, self.step, self.sent = signum, step, False
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == self.step and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), self.signum)
+
+
+def interrupted_fit(run_dir, signum, step, *overrides):
+    """The demo fit with ``signum`` sent mid-step at ``step``; returns (CLI object, TrainingInterrupted)."""
+    run = demo(run_dir, f"--trainer.max_steps={STEPS}", *overrides, run=False)
+    run.trainer.callbacks.append(SendSignal(signum, step))
+    before = signal.getsignal(signum)
+    with pytest.raises(TrainingInterrupted) as stop:
+        run.trainer.fit(run.model, run.datamodule)
+    assert signal.getsignal(signum) == before  # handlers restored after the fit
+    return run, stop.value
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("straight")
+    run = demo(run_dir, f"--trainer.max_steps={STEPS}")
+    return run_dir, run
+
+
+def test_last_ckpt_holds_the_final_step(straight):
+    run_dir, run = straight
+    assert run.trainer.global_step == STEPS
+    # ModelCheckpoint(every_n_train_steps=10) alone would leave step 10 here.
+    ckpt = load(run_dir / "checkpoints" / "last.ckpt")
+    assert ckpt["global_step"] == STEPS
+    assert_same_tensors(ckpt["state_dict"], {k: v.cpu() for k, v in run.model.state_dict().items()})
+    assert sum(isinstance(c, LastCheckpoint) for c in run.trainer.callbacks) == 1
+
+
+def test_finished_run_extended_with_more_steps_matches_the_straight_run(tmp_path, straight):
+    demo(tmp_path, "--trainer.max_steps=7")
+    assert load(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 7
+    demo(tmp_path, f"--trainer.max_steps={STEPS}", "--ckpt_path=last")
+    a, b = load(tmp_path / "checkpoints" / "last.ckpt"), load(straight[0] / "checkpoints" / "last.ckpt")
+    assert a["global_step"] == b["global_step"] == STEPS
+    assert_same_tensors(a["state_dict"], b["state_dict"])
+
+
+def test_sigterm_saves_at_the_step_boundary_and_exits_non_zero(tmp_path):
+    run, stop = interrupted_fit(tmp_path, signal.SIGTERM, 3)
+    assert stop.code == 128 + signal.SIGTERM == 143
+    # Sent during step 4 (global_step 3 before its optimizer step): saved once that step ended.
+    ckpt = load(tmp_path / "checkpoints" / "last.ckpt")
+    assert ckpt["global_step"] == 4 == run.trainer.global_step
+    assert_same_tensors(ckpt["state_dict"], {k: v.cpu() for k, v in run.model.state_dict().items()})
+    assert {int(s["step"]) for s in ckpt["optimizer_states"][0]["state"].values()} == {4}
+
+
+def test_slurm_requeue_signal_saves_at_step_boundary_requeues_and_resumes_exactly(tmp_path, monkeypatch, straight):
+    # A SLURM batch task as Lightning detects it, with `scontrol` replaced by a script that records its arguments.
+    for key, value in {"SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_NAME": "distill",
+                       "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+                       "SLURM_NODELIST": "localhost"}.items():
+        monkeypatch.setenv(key, value)
+    bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol_calls.txt"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+    run_dir = tmp_path / "run"
+    run, stop = interrupted_fit(run_dir, signal.SIGUSR1, 6)
+    assert type(run.trainer._accelerator_connector.cluster_environment).__name__ == "SLURMEnvironment"
+    assert stop.code == 128 + signal.SIGUSR1
+    assert calls.read_text().split() == ["requeue", "4242"]
+    assert load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 7
+    assert not list(run_dir.glob("hpc_ckpt_*.ckpt"))  # Lightning's own mid-step save did not run
+
+    # The requeued job: same command, --ckpt_path=last. It ends with the uninterrupted run's weights
+    # and optimizer state, bit for bit.
+    resumed = demo(run_dir, f"--trainer.max_steps={STEPS}", "--ckpt_path=last")
+    assert resumed.trainer.global_step == STEPS
+    a, b = load(run_dir / "checkpoints" / "last.ckpt"), load(straight[0] / "checkpoints" / "last.ckpt")
+    assert a["global_step"] == b["global_step"] == STEPS
+    assert_same_tensors(a["state_dict"], b["state_dict"])
+    for sa, sb in zip(a["optimizer_states"][0]["state"].values(), b["optimizer_states"][0]["state"].values()):
+        assert_same_tensors(sa, sb)
+    assert calls.read_text().split() == ["requeue", "4242"]  # the resumed run finished: no second requeue
+
+
+def test_command_line_beats_the_config(tmp_path):
+    # demo.yaml sets run_dir; --trainer.default_root_dir on the command line moves the run there.
+    run = cli(["--config", DEMO, f"--trainer.default_root_dir={tmp_path / 'x'}"], run=False)
+    assert Path(run.trainer.default_root_dir) == tmp_path / "x"
+    assert Path(run.trainer.logger.log_dir) == tmp_path / "x"
+    assert run.config["run_dir"] == str(tmp_path / "x")  # what config.yaml will record
+    # --run_dir on the command line beats a default_root_dir from the config (here: given as a config dict).
+    run = cli(["--config", DEMO, f"--trainer={{default_root_dir: {tmp_path / 'y'}}}", f"--run_dir={tmp_path / 'z'}"],
+              run=False)
+    assert Path(run.trainer.default_root_dir) == tmp_path / "z"
+    with pytest.raises(ValueError, match="both set on the command line and disagree"):
+        cli(["--config", DEMO, f"--run_dir={tmp_path / 'a'}", f"--trainer.default_root_dir={tmp_path / 'b'}"],
+            run=False)
+
+
+PROBE_TINY = ["--model.allow_random_init=true", "--model.backbone_kwargs={depth: 2, embed_dim: 48, num_heads: 2}",
+              "--trainer.accelerator=cpu"]
+
+
+def test_probe_logger_follows_the_chosen_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = cli(["--config", PROBE, "--data.root=data", f"--trainer.default_root_dir={tmp_path / 'root'}", *PROBE_TINY],
+              run=False)
+    assert Path(run.trainer.logger.log_dir) == tmp_path / "root" / "probe_voc07" / "version_0"
+    run = cli(["--config", PROBE, "--data.root=data", f"--run_dir={tmp_path / 'rd'}", *PROBE_TINY], run=False)
+    assert Path(run.trainer.logger.log_dir) == tmp_path / "rd"
+    run = cli(["--config", PROBE, "--data.root=data", f"--trainer.default_root_dir={tmp_path / 'root'}",
+               f"--trainer.logger.init_args.save_dir={tmp_path / 'mine'}", *PROBE_TINY], run=False)
+    assert Path(run.trainer.logger.log_dir) == tmp_path / "mine" / "probe_voc07" / "version_0"
+    run = cli(["--config", PROBE, "--data.root=data", *PROBE_TINY], run=False)
+    assert Path(run.trainer.logger.log_dir) == Path("runs") / "probe_voc07" / "version_0"  # the config's default
+
+
+def test_run_failing_before_training_leaves_no_log_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "root" / "probe_voc07" / "version_0").mkdir(parents=True)  # an earlier run's: kept
+    with pytest.raises(FileNotFoundError, match="JPEGImages"):  # no dataset there: fails in the datamodule's setup
+        main(["fit", "--config", PROBE, f"--data.root={tmp_path / 'empty'}",
+              f"--trainer.default_root_dir={tmp_path / 'root'}", *PROBE_TINY])
+    assert sorted(p.name for p in (tmp_path / "root" / "probe_voc07").iterdir()) == ["version_0"]
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "lightning_logs").exists()
