@@ -17,7 +17,7 @@ from timm.layers import Attention
 from timm.models.eva import EvaAttention
 
 from kernels import alibi_attention
-from kernels.alibi_bias import patch_distances
+from kernels.alibi_bias import check_metric, patch_distances
 from kernels.attention import BACKENDS
 
 SLOPE_SCHEMES = ("constant", "learned", "geometric")
@@ -52,7 +52,9 @@ class PositionBias:
 
     def configure_position(self, patch_grid: PatchGrid, num_prefix_tokens: int, *, use_bias: bool = True,
                            slopes: str = "constant", wrap: bool = True, normalize: bool = True,
-                           jitter: float = 0.0, jitter_seed: int = 0, backend: str = "auto") -> None:
+                           jitter: float = 0.0, jitter_seed: int = 0, backend: str = "auto",
+                           metric: str = "euclidean") -> None:
+        check_metric(metric)
         if slopes not in SLOPE_SCHEMES:
             raise ValueError(f"unknown slope scheme {slopes!r}; choose one of {', '.join(SLOPE_SCHEMES)}")
         if backend not in BACKENDS:
@@ -66,6 +68,7 @@ class PositionBias:
         self.use_bias = bool(use_bias)
         self.slope_scheme = slopes
         self.wrap, self.normalize, self.backend = bool(wrap), bool(normalize), backend
+        self.metric = metric
         self.jitter, self.jitter_seed = float(jitter), int(jitter_seed)
         self._jitter_generators = {}
         # Re-configuring replaces the previous slope, parameter or buffer.
@@ -82,7 +85,7 @@ class PositionBias:
         gen = self._jitter_generators.get(device)
         if gen is None:
             gen = self._jitter_generators[device] = torch.Generator(device=device).manual_seed(self.jitter_seed)
-        dist = patch_distances(grid, wrap=self.wrap, normalize=self.normalize, device=device)
+        dist = patch_distances(grid, wrap=self.wrap, normalize=self.normalize, device=device, metric=self.metric)
         noise = torch.randn(dist.shape, generator=gen, device=device) * self.jitter
         bias = torch.zeros(n, n, device=device, dtype=torch.float32)
         p = self.num_prefix_tokens
@@ -106,7 +109,7 @@ class PositionBias:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self.m.to(q.dtype) * bias)
         slopes = None if self.slope_scheme == "constant" else self.m.view(-1)
         return alibi_attention(q, k, v, grid, self.num_prefix_tokens, slopes, wrap=self.wrap,
-                               normalize=self.normalize, backend=self.backend)
+                               normalize=self.normalize, backend=self.backend, metric=self.metric)
 
     def _finish(self, x: torch.Tensor, gate) -> torch.Tensor:
         # (B, heads, N, d) → (B, N, C), then the layer's own output norm, gate and projection.
@@ -121,7 +124,8 @@ class PositionBias:
         if not getattr(self, "use_bias", True):
             return "position=none"
         return (f"slopes={self.slope_scheme}, wrap={self.wrap}, normalize={self.normalize}, "
-                f"jitter={self.jitter}, backend={self.backend}")
+                f"jitter={self.jitter}, backend={self.backend}"
+                + ("" if self.metric == "euclidean" else f", metric={self.metric}"))
 
 
 class AlibiAttention(PositionBias, Attention):

@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "show": ("alibi_vit.show_cli", "feature maps (PCA, k-means, similarity) side by side for several models"),
     "robustness": ("lit_modules.robustness", "segmentation probe under flip, roll and rot90 (paper Tab. S3)"),
     "export": ("lit_modules.export", "export a distilled student from a Lightning checkpoint as a timm state_dict"),
+    "channels": ("alibi_vit.channels_cli", "a teacher's most positional channels, ranked by per-channel positional R²"),
     "segment": ("alibi_vit.segment_cli", "trainable segmentation of micrographs: train, apply, benchmark"),
 }
 

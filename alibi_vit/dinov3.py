@@ -130,7 +130,8 @@ class AlibiEva(Eva):
 
 
 def convert_eva(model: Eva, *, use_bias: bool = True, slopes: str = "constant", wrap: bool = True,
-                normalize: bool = True, jitter: float = 0.0, jitter_seed: int = 0, backend: str = "auto") -> AlibiEva:
+                normalize: bool = True, jitter: float = 0.0, jitter_seed: int = 0, backend: str = "auto",
+                metric: str = "euclidean") -> AlibiEva:
     """Turn a timm DINOv3 ``Eva`` into an ALiBi (``use_bias``) or NoPE model, in place.
 
     RoPE is switched off (``rope`` set to None; its periods are a non-persistent buffer, so the
@@ -158,7 +159,7 @@ def convert_eva(model: Eva, *, use_bias: bool = True, slopes: str = "constant", 
         block.attn.__class__ = AlibiEvaAttention
         block.attn.configure_position(model.patch_grid, model.num_prefix_tokens, use_bias=use_bias, slopes=slopes,
                                       wrap=wrap, normalize=normalize, jitter=jitter, jitter_seed=jitter_seed + i,
-                                      backend=backend)
+                                      backend=backend, metric=metric)
     return model
 
 

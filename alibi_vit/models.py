@@ -33,7 +33,7 @@ from timm.layers import SwiGLUPacked
 from timm.models import build_model_with_cfg, generate_default_cfgs, load_pretrained, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
-POSITION_KWARGS = ("slopes", "wrap", "normalize", "jitter", "jitter_seed", "backend")
+POSITION_KWARGS = ("slopes", "wrap", "normalize", "jitter", "jitter_seed", "backend", "metric")
 RELEASE_HUB_ID = "rmdocherty/dino-saw"
 
 _DINOV2_ARCHS = {

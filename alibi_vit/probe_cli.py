@@ -8,6 +8,13 @@ adds one row per block and writes the per-channel R² (the "positional fingerpri
 R² per layer, one panel per target (paper Fig. 2), to ``<out>_layers.png`` and the fingerprint
 as a layers × channels heatmap per model (paper Fig. 3 uses ``--fingerprint-target x``) to
 ``<out>_fingerprint.png``.
+
+``--paper-table`` runs the models of the paper's Tab. 1–2 instead of ``--model`` (DINOv2-S,
+DINOv2-S blanked, DINOv2-B, DINOv3-S+, NoPE, ALiBi-Dv2, ALiBi-Dv3, transform-averaged, sin-cos;
+:data:`PAPER_ROWS`) and prints each one's (x, y) R² beside the paper's on micrographs, textures
+and uniform noise (README.md "Method" §5). Each model loads its own pretrained weights (timm's
+hub or cache, or ``--checkpoint NAME=PATH`` with the row's model name); a model whose weights
+cannot be had, or that cannot be built, is listed as skipped with the reason.
 """
 
 from __future__ import annotations
@@ -19,10 +26,33 @@ from pathlib import Path
 from .probe import MIN_TRAIN, TARGETS, fitted_patches
 
 
+# The paper's Tab. 1–2 rows this project can build: (row, model name[.tag], paper (x, y) R² on
+# micrographs / textures / uniform noise, or None where README.md "Method" §5 gives none).
+PAPER_ROWS = (
+    ("DINOv2-S", "vit_small_patch14_reg4_dinov2", (0.83, 0.71, 0.89)),
+    ("DINOv2-S blanked", "blanked_vit_small_patch14_reg4_dinov2", (0.78, 0.67, 0.89)),
+    ("DINOv2-B", "vit_base_patch14_reg4_dinov2", (0.68, 0.58, 0.89)),
+    ("DINOv3-S+", "vit_small_plus_patch16_dinov3", (0.97, 0.90, 0.98)),
+    ("NoPE", "nope_vit_small_patch14_reg4_dinov2.dinosaw_coco", None),
+    ("ALiBi-Dv2", "alibi_vit_small_patch14_reg4_dinov2.dinosaw_coco", (-0.23, 0.32, -0.85)),
+    ("ALiBi-Dv3", "alibi_vit_small_plus_patch16_dinov3.dinosaw_coco", None),
+    ("transform-averaged", "tavg_vit_small_patch14_reg4_dinov2", None),
+    ("sin-cos", "sincos_vit_small_patch14_reg4_dinov2", None),
+)
+PAPER_SETS = ("micrographs", "textures", "noise")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .cli_options import add_image_arguments, add_model_arguments
 
     add_model_arguments(parser)
+    for action in parser._actions:  # --paper-table names its own models
+        if action.dest == "models":
+            action.required = False
+    parser.add_argument("--paper-table", action="store_true",
+                        help="run the paper's Tab. 1-2 models (no --model; pretrained weights, or --checkpoint "
+                             "NAME=PATH per model) and print their (x, y) R² beside the paper's; models without "
+                             "weights are skipped with the reason (offline, HF_HUB_OFFLINE=1 skips without retries)")
     add_image_arguments(parser, default_size=224)
     parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
     parser.add_argument("--fraction", type=float, default=0.025, help="share of patches the probe is fitted on")
@@ -71,6 +101,10 @@ def run(args) -> int:
     from .probe import per_channel_r2, positional_r2
 
     check_image_size(args.size)
+    if args.paper_table:
+        return run_paper_table(args)
+    if not args.models:
+        raise ValueError("give --model NAME [NAME ...], or --paper-table")
     if args.plot:
         _figure()  # without matplotlib, fail before the work
         args.per_layer = True
@@ -119,6 +153,87 @@ def run(args) -> int:
             fig.savefig(path, dpi=120)
             print(f"wrote {path}")
     return 0
+
+
+def run_paper_table(args) -> int:
+    """``--paper-table``: the (x, y) R² of every :data:`PAPER_ROWS` model that can be built, beside the paper's."""
+    import warnings
+
+    from .checkpoint import create_backbone
+    from .cli_options import _checkpoints, _model_kwargs, images_from_args
+    from .features import patch_features
+    from .images import normalize
+    from .probe import positional_r2
+
+    if args.models:
+        raise ValueError("--paper-table runs its own models; drop --model (use --checkpoint NAME=PATH for their "
+                         "weights, NAME one of: " + ", ".join(name for _, name, _ in PAPER_ROWS) + ")")
+    if args.per_layer or args.plot:
+        raise ValueError("--paper-table reports the final feature map only; drop --per-layer/--plot")
+    if args.size % 14 or args.size % 16:
+        raise ValueError(f"--paper-table runs patch-14 and patch-16 models: --size must be a multiple of 112 "
+                         f"(e.g. 224, 448), got {args.size}")
+    import torch
+
+    names = [name for _, name, _ in PAPER_ROWS]
+    checkpoints = _checkpoints(args.checkpoint, names)
+    model_kwargs = _model_kwargs(args.model_arg)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    images = torch.stack([normalize(img) for _, img in images_from_args(args)])
+    rows = []
+    for label, name, paper in PAPER_ROWS:
+        row = {"row": label, "model": name, "weights": checkpoints.get(name, "pretrained"), "xy": None,
+               **{f"paper_{s}": (None if paper is None else value) for s, value in
+                  zip(PAPER_SETS, paper or (None,) * 3)}, "skipped": ""}
+        rows.append(row)
+        try:
+            model = create_backbone(name, pretrained=name not in checkpoints, checkpoint=checkpoints.get(name),
+                                    **model_kwargs)
+        except (OSError, ValueError) as err:  # weights not on this machine / not reachable, or not buildable
+            row["skipped"] = _one_line(err)
+            continue
+        model = model.to(device).eval()
+        with torch.no_grad():
+            feats = torch.cat([patch_features(model, images[i:i + args.batch_size].to(device)).float().cpu()
+                               for i in range(0, len(images), args.batch_size)])
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="positional probe:")
+            row["xy"] = positional_r2(feats, "xy", args.fraction, args.repeats, args.seed, min_train=args.min_train)
+        del model
+    _print_paper_table(rows, args, len(images))
+    _write_csv(args.out, [{**r, "images": args.images, "num_images": len(images), "size": args.size} for r in rows])
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    if isinstance(err, OSError):  # the hub's messages run long: their first sentence says it
+        return f"weights unavailable here ({type(err).__name__}: {text.split('. ')[0][:200]})"
+    return f"{type(err).__name__}: {text[:300]}"
+
+
+def _print_paper_table(rows, args, num_images):
+    def num(v):
+        return f"{v:7.2f}" if v is not None else f"{'—':>7}"
+
+    label_w = max(len(r["row"]) for r in rows)
+    print(f"positional R² (x, y), held-out, on {args.images}: {num_images} images at {args.size} px; "
+          f"the paper's on micrographs / textures / uniform noise beside it")
+    header = f"{'row':<{label_w}}  {'xy R²':>7}  {'paper:':>7} {'micro':>7} {'texture':>7} {'noise':>7}  weights"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        measured = f"{r['xy']:7.3f}" if r["xy"] is not None else f"{'skipped':>7}"
+        paper = " ".join(num(r[f"paper_{s}"]) for s in PAPER_SETS)
+        print(f"{r['row']:<{label_w}}  {measured}  {'':>7} {paper}  {r['weights'] if not r['skipped'] else ''}")
+    skipped = [r for r in rows if r["skipped"]]
+    if skipped:
+        print("skipped (give --checkpoint NAME=PATH, or go online / fill the hub cache):")
+        for r in skipped:
+            print(f"  {r['row']} ({r['model']}): {r['skipped']}")
+    print("— : the paper gives no number for this row")
 
 
 def _write_csv(path, rows):

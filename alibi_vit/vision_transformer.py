@@ -168,7 +168,7 @@ def _convert(model, *, use_bias, **position_kwargs):
 
 def convert_to_alibi(model: VisionTransformer, *, slopes: str = "constant", wrap: bool = True,
                      normalize: bool = True, jitter: float = 0.0, jitter_seed: int = 0,
-                     backend: str = "auto") -> AlibiVisionTransformer:
+                     backend: str = "auto", metric: str = "euclidean") -> AlibiVisionTransformer:
     """Turn a timm VisionTransformer (DINOv2, DINO, MAE, with or without registers) into an ALiBi ViT.
 
     A timm DINOv3 ``Eva`` (``vit_*_patch16_dinov3``) is converted too: RoPE is switched off and the
@@ -187,9 +187,11 @@ def convert_to_alibi(model: VisionTransformer, *, slopes: str = "constant", wrap
             When on, it applies in train and eval alike and uses the materialised bias.
         jitter_seed: seed of layer 0's noise generator (layer i uses ``jitter_seed + i``).
         backend: attention backend passed to :func:`kernels.alibi_attention`.
+        metric: ``"euclidean"`` (the default, the paper's bias) or ``"manhattan"`` (``d = dy + dx``
+            with the same wrap and its own ``d_max``; a baseline), on every backend.
     """
     return _convert(model, use_bias=True, slopes=slopes, wrap=wrap, normalize=normalize, jitter=jitter,
-                    jitter_seed=jitter_seed, backend=backend)
+                    jitter_seed=jitter_seed, backend=backend, metric=metric)
 
 
 def convert_to_nope(model: VisionTransformer) -> AlibiVisionTransformer:

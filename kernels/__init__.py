@@ -1,7 +1,7 @@
 """Attention kernels with the 2D wrapped, normalised ALiBi bias (README.md "Method" §2)."""
 
-from .alibi_bias import alibi_bias, check_grid, max_distance, patch_distances
+from .alibi_bias import METRICS, alibi_bias, check_grid, max_distance, patch_distances
 from .attention import BACKENDS, alibi_attention, resolve_backend
 
-__all__ = ["BACKENDS", "alibi_attention", "alibi_bias", "check_grid", "max_distance", "patch_distances",
+__all__ = ["BACKENDS", "METRICS", "alibi_attention", "alibi_bias", "check_grid", "max_distance", "patch_distances",
            "resolve_backend"]

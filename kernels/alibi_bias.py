@@ -5,6 +5,10 @@ distance is Euclidean over row/column offsets, each offset optionally wrapped ar
 grid (a torus), and optionally divided by the largest distance the grid admits so that one
 model works at any resolution. The bias is minus that distance; any pair involving a prefix
 token gets zero. Every backend of :func:`kernels.alibi_attention` computes exactly this.
+
+``metric="manhattan"`` (a baseline; the default and the paper's choice is ``"euclidean"``)
+measures ``d = dy + dx`` with the same per-axis wrap instead of ``sqrt(dy² + dx²)``; its largest
+distance is ``⌊h/2⌋ + ⌊w/2⌋`` with wrap and ``(h-1) + (w-1)`` without.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["alibi_bias", "bias_lookup", "check_grid", "max_distance", "patch_distances"]
+__all__ = ["METRICS", "alibi_bias", "bias_lookup", "check_grid", "check_metric", "max_distance", "patch_distances"]
+
+METRICS = ("euclidean", "manhattan")
 
 
 def check_grid(grid_size) -> tuple[int, int]:
@@ -28,18 +34,38 @@ def check_grid(grid_size) -> tuple[int, int]:
     return h, w
 
 
-def max_distance(grid_size, wrap: bool = True) -> float:
-    """Largest patch-to-patch distance on the grid: the normaliser ``d_max`` of README.md "Method" §2."""
+def check_metric(metric) -> str:
+    """Validate a distance metric name (one of ``METRICS``) and return it."""
+    if metric not in METRICS:
+        raise ValueError(f"unknown distance metric {metric!r}; choose one of {', '.join(METRICS)}")
+    return metric
+
+
+def _combine(dy: torch.Tensor, dx: torch.Tensor, metric: str) -> torch.Tensor:
+    """Per-axis offsets (already wrapped) to distances, float64."""
+    if metric == "manhattan":
+        return (dy + dx).to(torch.float64)
+    return torch.sqrt((dy * dy + dx * dx).to(torch.float64))
+
+
+def max_distance(grid_size, wrap: bool = True, metric: str = "euclidean") -> float:
+    """Largest patch-to-patch distance on the grid: the normaliser ``d_max`` of README.md "Method" §2.
+
+    ``metric="manhattan"``: ``⌊h/2⌋ + ⌊w/2⌋`` with wrap, ``(h-1) + (w-1)`` without.
+    """
     h, w = check_grid(grid_size)
+    if check_metric(metric) == "manhattan":
+        return float(h // 2 + w // 2) if wrap else float((h - 1) + (w - 1))
     if wrap:
         return math.hypot(h // 2, w // 2)
     return math.hypot(h - 1, w - 1)
 
 
 def patch_distances(grid_size, *, wrap: bool = True, normalize: bool = True,
-                    device=None, dtype=torch.float32) -> torch.Tensor:
+                    device=None, dtype=torch.float32, metric: str = "euclidean") -> torch.Tensor:
     """Distances ``d`` (or ``d̂`` when normalised) between all patch pairs, shape (h·w, h·w)."""
     h, w = check_grid(grid_size)
+    check_metric(metric)
     idx = torch.arange(h * w, device=device)
     row, col = idx // w, idx % w
     dy = (row[:, None] - row[None, :]).abs()
@@ -47,16 +73,16 @@ def patch_distances(grid_size, *, wrap: bool = True, normalize: bool = True,
     if wrap:
         dy = torch.minimum(dy, h - dy)
         dx = torch.minimum(dx, w - dx)
-    dist = torch.sqrt((dy * dy + dx * dx).to(torch.float64))
+    dist = _combine(dy, dx, metric)
     if normalize:
-        d_max = max_distance((h, w), wrap)
+        d_max = max_distance((h, w), wrap, metric)
         # A 1×1 grid has d_max = 0: every distance is 0 there, and so is d̂.
         dist = dist / d_max if d_max > 0 else torch.zeros_like(dist)
     return dist.to(dtype)
 
 
 def alibi_bias(grid_size, num_prefix_tokens: int, *, wrap: bool = True, normalize: bool = True,
-               device=None, dtype=torch.float32) -> torch.Tensor:
+               device=None, dtype=torch.float32, metric: str = "euclidean") -> torch.Tensor:
     """The (N, N) bias matrix ``B`` of README.md "Method" §2 with ``N = num_prefix_tokens + h·w``.
 
     ``B = -d̂`` between patches and 0 for every pair involving a prefix token. No slope is
@@ -68,12 +94,13 @@ def alibi_bias(grid_size, num_prefix_tokens: int, *, wrap: bool = True, normaliz
     p = int(num_prefix_tokens)
     n = p + h * w
     bias = torch.zeros(n, n, device=device, dtype=dtype)
-    bias[p:, p:] = -patch_distances((h, w), wrap=wrap, normalize=normalize, device=device, dtype=dtype)
+    bias[p:, p:] = -patch_distances((h, w), wrap=wrap, normalize=normalize, device=device, dtype=dtype,
+                                    metric=metric)
     return bias
 
 
 def bias_lookup(grid_size, num_prefix_tokens: int, *, wrap: bool = True, normalize: bool = True,
-                table: bool = True):
+                table: bool = True, metric: str = "euclidean"):
     """Per-token codes from which the fused kernel derives ``B`` tile by tile, without an (N, N) array.
 
     Returns ``(codes, values, q_pad, k_pad, bias_norm)`` on the CPU, codes int64 of shape (2, N).
@@ -85,13 +112,19 @@ def bias_lookup(grid_size, num_prefix_tokens: int, *, wrap: bool = True, normali
     that the prefix codes ``q_pad`` (queries) and ``k_pad`` (keys) land in against any token;
     ``bias_norm`` is 1. ``table=False``: codes are (row, col) per token, row -1 for prefix
     tokens, ``values`` is unused, and ``bias_norm`` is the ``1/d_max`` the kernel applies to ``-d``.
+
+    ``metric="manhattan"`` fills the table with ``-(|dy| + |dx|)/d_max`` instead; ``table=False``
+    (the kernel's Euclidean ``sqrt`` mode) has no Manhattan form and is a ValueError then.
     """
     h, w = check_grid(grid_size)
+    if check_metric(metric) != "euclidean" and not table:
+        raise ValueError(f"the {metric} metric needs the difference table (table=True): the coordinate codes "
+                         "serve the kernel's Euclidean sqrt mode only")
     prefix = int(num_prefix_tokens)
     n = prefix + h * w
     p = torch.arange(h * w, dtype=torch.int64)
     row, col = p // w, p % w
-    d_max = max_distance((h, w), wrap)
+    d_max = max_distance((h, w), wrap, metric)
     # 1×1 grid: d_max = 0 and d̂ is defined as 0.
     norm = (1.0 / d_max if d_max > 0 else 0.0) if normalize else 1.0
     codes = torch.empty(2, n, dtype=torch.int64)
@@ -107,7 +140,10 @@ def bias_lookup(grid_size, num_prefix_tokens: int, *, wrap: bool = True, normali
         if wrap:
             dy = torch.minimum(dy, h - dy)
             dx = torch.minimum(dx, w - dx)
-        core = -(dy[:, None] ** 2 + dx[None, :] ** 2).sqrt().flatten() * norm
+        if metric == "manhattan":
+            core = -(dy[:, None] + dx[None, :]).flatten() * norm
+        else:
+            core = -(dy[:, None] ** 2 + dx[None, :] ** 2).sqrt().flatten() * norm
         values = torch.cat([core, torch.zeros(2 * center + 2, dtype=torch.float64)])
         return codes, values, int(q_pad), int(k_pad), 1.0
     codes[0, :prefix], codes[1, :prefix] = -1, 0
@@ -118,6 +154,7 @@ def bias_lookup(grid_size, num_prefix_tokens: int, *, wrap: bool = True, normali
 
 @lru_cache(maxsize=16)
 def cached_alibi_bias(grid_size: tuple[int, int], num_prefix_tokens: int, wrap: bool, normalize: bool,
-                      device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+                      device: torch.device, dtype: torch.dtype, metric: str = "euclidean") -> torch.Tensor:
     """:func:`alibi_bias` built once per (grid, prefix, options, device, dtype) and shared by all layers."""
-    return alibi_bias(grid_size, num_prefix_tokens, wrap=wrap, normalize=normalize, device=device, dtype=dtype)
+    return alibi_bias(grid_size, num_prefix_tokens, wrap=wrap, normalize=normalize, device=device, dtype=dtype,
+                      metric=metric)

@@ -4,7 +4,8 @@
 every logit inside a fused kernel; ``score`` already carries the ``1/sqrt(head_dim)`` scale.
 The score_mod here rebuilds ``B`` from the token indices exactly as the spec states it
 (row/column from ``(idx - prefix) // w`` and ``% w``, per-axis wrap, Euclidean distance,
-normalisation, zero for prefix tokens) and adds ``m_h · B``.
+normalisation, zero for prefix tokens) and adds ``m_h · B``; ``metric="manhattan"`` sums the
+two wrapped offsets instead of taking the Euclidean norm.
 
 Execution:
 
@@ -28,14 +29,14 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from .alibi_bias import check_grid, max_distance
+from .alibi_bias import check_grid, check_metric, max_distance
 
 __all__ = ["flex_alibi_attention"]
 
 _COMPILED = None
 
 
-def _alibi_flex(q, k, v, head_scale, h: int, w: int, prefix: int, wrap: bool):
+def _alibi_flex(q, k, v, head_scale, h: int, w: int, prefix: int, wrap: bool, manhattan: bool = False):
     def score_mod(score, b, head, q_idx, kv_idx):
         # Prefix tokens give negative "patch" indices; their bias is masked to 0 below.
         qp = q_idx - prefix
@@ -45,7 +46,10 @@ def _alibi_flex(q, k, v, head_scale, h: int, w: int, prefix: int, wrap: bool):
         if wrap:
             dy = torch.minimum(dy, h - dy)
             dx = torch.minimum(dx, w - dx)
-        dist = torch.sqrt((dy * dy + dx * dx).to(torch.float32))
+        if manhattan:
+            dist = (dy + dx).to(torch.float32)
+        else:
+            dist = torch.sqrt((dy * dy + dx * dx).to(torch.float32))
         bias = torch.where((q_idx >= prefix) & (kv_idx >= prefix), -dist * head_scale[head], torch.zeros_like(dist))
         return score + bias.to(score.dtype)
 
@@ -59,11 +63,11 @@ def _compiled():
     return _COMPILED
 
 
-def flex_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, normalize):
+def flex_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, normalize, metric="euclidean"):
     """Attention with the 2D ALiBi bias through FlexAttention.
 
     Same contract as :func:`kernels.alibi_attention`: (B, heads, N, head_dim) in and out,
-    ``slopes`` of shape (heads,) or None (slope 1, no gradient).
+    ``slopes`` of shape (heads,) or None (slope 1, no gradient); ``metric`` "euclidean" or "manhattan".
     """
     if not q.is_floating_point():
         raise ValueError(f"the flex backend needs floating-point inputs, got {q.dtype}")
@@ -71,7 +75,8 @@ def flex_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, no
         raise ValueError(f"the flex backend needs head_dim >= 16, got {q.shape[-1]}")
     h, w = check_grid(grid_size)
     prefix = int(num_prefix_tokens)
-    d_max = max_distance((h, w), wrap)
+    manhattan = check_metric(metric) == "manhattan"
+    d_max = max_distance((h, w), wrap, metric)
     # A 1×1 grid has d_max = 0 and d̂ = 0 by definition.
     norm_scale = (1.0 / d_max if d_max > 0 else 0.0) if normalize else 1.0
     # slope·(1/d_max) per head as one captured fp32 tensor: a float in the closure would turn into
@@ -82,8 +87,10 @@ def flex_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, no
     else:
         head_scale = slopes.to(torch.float32) * norm_scale
     if q.device.type == "cuda":
+        if manhattan:  # its own compiled variant; the Euclidean call is unchanged
+            return _compiled()(q, k, v, head_scale, h, w, prefix, bool(wrap), True)
         return _compiled()(q, k, v, head_scale, h, w, prefix, bool(wrap))
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, slopes)):
         raise ValueError("the flex backend has no backward on the CPU (a torch limitation); use backend='eager' "
                          "or 'sdpa' for training on the CPU")
-    return _alibi_flex(q, k, v, head_scale, h, w, prefix, bool(wrap))
+    return _alibi_flex(q, k, v, head_scale, h, w, prefix, bool(wrap), manhattan)

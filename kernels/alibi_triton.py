@@ -7,7 +7,10 @@ Per head with slope ``m`` the logits are ``s_ij = (q_i·k_j)/sqrt(D) + m·B_ij``
 ``row = (i-P) // w``, ``col = (i-P) % w``; prefix tokens get ``B = 0`` against everything.
 Per axis the offset is ``|Δ|``, or ``min(|Δ|, extent-|Δ|)`` with wrap; ``d`` is Euclidean and
 ``d̂ = d / d_max`` with ``d_max = sqrt(⌊h/2⌋²+⌊w/2⌋²)`` (wrap) or ``sqrt((h-1)²+(w-1)²)``
-(no wrap); a 1×1 grid has ``d̂ = 0``.
+(no wrap); a 1×1 grid has ``d̂ = 0``. With ``metric="manhattan"`` (a baseline) ``d = |Δrow| + |Δcol|``
+(wrapped the same way) and ``d_max = ⌊h/2⌋+⌊w/2⌋`` (wrap) or ``(h-1)+(w-1)``: only the table's
+values change (:func:`kernels.alibi_bias.bias_lookup`), so Manhattan always runs in table mode and
+the kernels are the same compiled code as for the Euclidean table.
 
 The forward is FlashAttention-2: one program owns ``BLOCK_M`` query rows, streams
 ``BLOCK_N``-wide key/value tiles, and keeps a running row max ``m``, row sum ``l`` and fp32
@@ -87,7 +90,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .alibi_bias import bias_lookup, check_grid
+from .alibi_bias import bias_lookup, check_grid, check_metric
 
 __all__ = ["BIAS_MODES", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "triton_alibi_attention"]
 
@@ -622,10 +625,12 @@ _LAUNCH_OPTIONS = {"enable_fp_fusion": True}
 # --------------------------------------------------------------------------------------------
 
 @lru_cache(maxsize=64)
-def _geometry(h: int, w: int, prefix: int, wrap: bool, normalize: bool, table: bool, device: torch.device):
+def _geometry(h: int, w: int, prefix: int, wrap: bool, normalize: bool, table: bool, device: torch.device,
+              metric: str = "euclidean"):
     """:func:`kernels.alibi_bias.bias_lookup` on ``device``, built once per grid and options:
     (codes int32 (2, N), table fp32, q_pad, k_pad, bias_norm)."""
-    codes, tbl, q_pad, k_pad, bias_norm = bias_lookup((h, w), prefix, wrap=wrap, normalize=normalize, table=table)
+    codes, tbl, q_pad, k_pad, bias_norm = bias_lookup((h, w), prefix, wrap=wrap, normalize=normalize, table=table,
+                                                      metric=metric)
     if codes.abs().max() >= 2**31 or tbl.numel() >= 2**31:
         raise ValueError(f"grid {h}x{w} is too large for int32 bias codes")
     return (codes.to(device=device, dtype=torch.int32), tbl.to(device=device, dtype=torch.float32),
@@ -722,9 +727,9 @@ def _bwd_args(do, q, k, v, dq, dk, dv, lse, delta, dsl, slopes, geometry, wrap, 
     return dkdv, dqa, kw, pair
 
 
-def _launch_fwd(q, k, v, slopes, h, w, prefix, wrap, normalize, use_table):
+def _launch_fwd(q, k, v, slopes, h, w, prefix, wrap, normalize, use_table, metric="euclidean"):
     bsz, heads, n, d = q.shape
-    geometry = (h, w), _geometry(h, w, prefix, wrap, normalize, use_table, q.device)
+    geometry = (h, w), _geometry(h, w, prefix, wrap, normalize, use_table, q.device, metric)
     o = _new_bnhd(q)
     lse = q.new_empty((bsz, heads, n), dtype=torch.float32)
 
@@ -738,9 +743,10 @@ def _launch_fwd(q, k, v, slopes, h, w, prefix, wrap, normalize, use_table):
     return o, lse
 
 
-def _launch_bwd(do, q, k, v, o, lse, slopes, h, w, prefix, wrap, normalize, use_table, need_dslopes, need_dq):
+def _launch_bwd(do, q, k, v, o, lse, slopes, h, w, prefix, wrap, normalize, use_table, need_dslopes, need_dq,
+                metric="euclidean"):
     bsz, heads, n, d = q.shape
-    geometry = (h, w), _geometry(h, w, prefix, wrap, normalize, use_table, q.device)
+    geometry = (h, w), _geometry(h, w, prefix, wrap, normalize, use_table, q.device, metric)
     _check_tile_offsets("grad_output", do)
     delta = q.new_empty((bsz, heads, n), dtype=torch.float32)
     dq, dk, dv = _new_bnhd(q), _new_bnhd(q), _new_bnhd(q)
@@ -774,14 +780,15 @@ def _launch_bwd(do, q, k, v, o, lse, slopes, h, w, prefix, wrap, normalize, use_
 @torch.library.custom_op("alibi_vit::alibi_attention_fwd", mutates_args=())
 def alibi_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor,
                         grid_h: int, grid_w: int, num_prefix_tokens: int, wrap: bool, normalize: bool,
-                        use_table: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                        use_table: bool, metric: str = "euclidean") -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (O, base-2 logsumexp per row). ``slopes`` is fp32 of shape (heads,), or (1,) for one
-    slope shared by all heads."""
-    return _launch_fwd(q, k, v, slopes.contiguous(), grid_h, grid_w, num_prefix_tokens, wrap, normalize, use_table)
+    slope shared by all heads; ``metric="manhattan"`` needs ``use_table``."""
+    return _launch_fwd(q, k, v, slopes.contiguous(), grid_h, grid_w, num_prefix_tokens, wrap, normalize, use_table,
+                       metric)
 
 
 @alibi_attention_fwd.register_fake
-def _(q, k, v, slopes, grid_h, grid_w, num_prefix_tokens, wrap, normalize, use_table):
+def _(q, k, v, slopes, grid_h, grid_w, num_prefix_tokens, wrap, normalize, use_table, metric="euclidean"):
     bsz, heads, n, _ = q.shape
     return _new_bnhd(q), q.new_empty((bsz, heads, n), dtype=torch.float32)
 
@@ -790,33 +797,40 @@ def _(q, k, v, slopes, grid_h, grid_w, num_prefix_tokens, wrap, normalize, use_t
 def alibi_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                         lse: torch.Tensor, slopes: torch.Tensor, grid_h: int, grid_w: int, num_prefix_tokens: int,
                         wrap: bool, normalize: bool, use_table: bool, need_dslopes: bool,
-                        need_dq: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                        need_dq: bool, metric: str = "euclidean"
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dq, dk, dv, dslopes); dslopes is zeros when ``need_dslopes`` is False, dq is empty
     (0 elements) when ``need_dq`` is False."""
     return _launch_bwd(do, q, k, v, o, lse, slopes.contiguous(), grid_h, grid_w, num_prefix_tokens, wrap, normalize,
-                       use_table, need_dslopes, need_dq)
+                       use_table, need_dslopes, need_dq, metric)
 
 
 @alibi_attention_bwd.register_fake
 def _(do, q, k, v, o, lse, slopes, grid_h, grid_w, num_prefix_tokens, wrap, normalize, use_table, need_dslopes,
-      need_dq):
+      need_dq, metric="euclidean"):
     dq = _new_bnhd(q) if need_dq else q.new_empty(0)
     return dq, _new_bnhd(q), _new_bnhd(q), slopes.new_empty(slopes.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, slopes, grid_h, grid_w, prefix, wrap, normalize, use_table = inputs
+    q, k, v, slopes, grid_h, grid_w, prefix, wrap, normalize, use_table, *rest = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, slopes)
     ctx.geometry = (grid_h, grid_w, prefix, wrap, normalize, use_table)
+    ctx.metric, ctx.num_inputs = (rest[0] if rest else "euclidean"), len(inputs)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse, slopes = ctx.saved_tensors
     need_dq, need_dslopes = bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[3])
-    dq, dk, dv, dslopes = alibi_attention_bwd(do, q, k, v, o, lse, slopes, *ctx.geometry, need_dslopes, need_dq)
-    return (dq if need_dq else None), dk, dv, (dslopes if need_dslopes else None), None, None, None, None, None, None
+    if ctx.metric == "euclidean":
+        dq, dk, dv, dslopes = alibi_attention_bwd(do, q, k, v, o, lse, slopes, *ctx.geometry, need_dslopes, need_dq)
+    else:
+        dq, dk, dv, dslopes = alibi_attention_bwd(do, q, k, v, o, lse, slopes, *ctx.geometry, need_dslopes, need_dq,
+                                                  ctx.metric)
+    grads = (dq if need_dq else None), dk, dv, (dslopes if need_dslopes else None)
+    return grads + (None,) * (ctx.num_inputs - len(grads))
 
 
 alibi_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -874,7 +888,8 @@ def autocast_inputs(q, k, v):
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
 
 
-def triton_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, normalize, *, bias_mode=None):
+def triton_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, normalize, *, bias_mode=None,
+                           metric="euclidean"):
     """Fused attention with the 2D ALiBi bias: ``softmax(q kᵀ/sqrt(D) + m_h·B) v``.
 
     Args:
@@ -886,7 +901,9 @@ def triton_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, 
             A gradient reaches it when it requires grad.
         wrap, normalize: see README.md "Method" §2.
         bias_mode: "table" or "sqrt" (how the kernel derives the bias; same result).
-            Default: ``ALIBI_TRITON_BIAS`` or "table".
+            Default: ``ALIBI_TRITON_BIAS`` or "table"; always "table" for the Manhattan metric.
+        metric: "euclidean" (default) or "manhattan" (``d = dy + dx``; table mode only, so an
+            explicit ``bias_mode="sqrt"`` is a ValueError).
 
     Inside ``torch.autocast`` the inputs are cast to the autocast dtype first. fp32 inputs use
     exact products, or tf32 when ``torch.get_float32_matmul_precision()`` allows it.
@@ -895,6 +912,11 @@ def triton_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, 
         (B, heads, N, head_dim) in q's dtype (the autocast dtype under autocast), stored in
         (B, N, heads, D) memory order.
     """
+    if check_metric(metric) != "euclidean":
+        if bias_mode == "sqrt":
+            raise ValueError(f"bias_mode='sqrt' computes Euclidean distances only; the {metric} metric uses "
+                             "bias_mode='table'")
+        bias_mode = "table"
     bias_mode = DEFAULT_BIAS_MODE if bias_mode is None else bias_mode
     q, k, v = autocast_inputs(q, k, v)
     h, w, prefix = _validate(q, k, v, grid_size, num_prefix_tokens, slopes, bias_mode)
@@ -902,5 +924,8 @@ def triton_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, 
         slopes32 = torch.ones(1, device=q.device, dtype=torch.float32)  # one slope for all heads
     else:
         slopes32 = slopes.to(torch.float32)  # differentiable cast: the gradient returns in slopes' dtype
-    o, _ = alibi_attention_fwd(q, k, v, slopes32, h, w, prefix, bool(wrap), bool(normalize), bias_mode == "table")
+    if metric == "euclidean":
+        o, _ = alibi_attention_fwd(q, k, v, slopes32, h, w, prefix, bool(wrap), bool(normalize), bias_mode == "table")
+    else:
+        o, _ = alibi_attention_fwd(q, k, v, slopes32, h, w, prefix, bool(wrap), bool(normalize), True, metric)
     return o

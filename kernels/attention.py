@@ -15,6 +15,7 @@ with ``B`` from :func:`kernels.alibi_bias`. Backends differ only in how ``B`` is
   (:mod:`kernels.alibi_flex`).
 
 ``"auto"`` picks triton for CUDA tensors it supports, sdpa elsewhere (see :func:`auto_backend`).
+Every backend also takes ``metric="manhattan"`` (``d = dy + dx``; see :mod:`kernels.alibi_bias`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .alibi_bias import cached_alibi_bias, check_grid
+from .alibi_bias import cached_alibi_bias, check_grid, check_metric
 
 __all__ = ["BACKENDS", "alibi_attention", "auto_backend", "resolve_backend"]
 
@@ -50,22 +51,24 @@ def _slopes_or_ones(slopes, num_heads, like):
     return slopes.to(like.dtype)
 
 
-def _shared_bias(grid_size, num_prefix_tokens, wrap, normalize, device, dtype):
+def _shared_bias(grid_size, num_prefix_tokens, wrap, normalize, device, dtype, metric="euclidean"):
     # The cached bias must be an ordinary tensor even when first built under inference_mode,
     # or a later training step could not save it for backward.
     with torch.inference_mode(False), torch.no_grad():
-        return cached_alibi_bias(grid_size, num_prefix_tokens, wrap, normalize, torch.device(device), dtype)
+        if metric == "euclidean":  # the default's cache key stays what it always was
+            return cached_alibi_bias(grid_size, num_prefix_tokens, wrap, normalize, torch.device(device), dtype)
+        return cached_alibi_bias(grid_size, num_prefix_tokens, wrap, normalize, torch.device(device), dtype, metric)
 
 
-def eager_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, normalize):
-    bias = _shared_bias(grid_size, num_prefix_tokens, wrap, normalize, q.device, q.dtype)
+def eager_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, normalize, metric="euclidean"):
+    bias = _shared_bias(grid_size, num_prefix_tokens, wrap, normalize, q.device, q.dtype, metric)
     m = _slopes_or_ones(slopes, q.shape[1], q)
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1]) + m.view(1, -1, 1, 1) * bias
     return scores.softmax(dim=-1) @ v
 
 
-def sdpa_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, normalize):
-    bias = _shared_bias(grid_size, num_prefix_tokens, wrap, normalize, q.device, q.dtype)
+def sdpa_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, normalize, metric="euclidean"):
+    bias = _shared_bias(grid_size, num_prefix_tokens, wrap, normalize, q.device, q.dtype, metric)
     mask = bias if slopes is None else slopes.to(q.dtype).view(-1, 1, 1) * bias
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
@@ -135,7 +138,7 @@ def _check_inputs(q, k, v, grid_size, num_prefix_tokens, slopes):
 
 
 def alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes=None, *, wrap=True, normalize=True,
-                    backend="auto"):
+                    backend="auto", metric="euclidean"):
     """Attention over ``(batch, heads, N, head_dim)`` tensors with the 2D ALiBi bias.
 
     Args:
@@ -147,10 +150,15 @@ def alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes=None, *, wrap=
         wrap: measure distances on a torus (the default), making attention circulant.
         normalize: divide distances by the grid's largest distance, so the bias is resolution-free.
         backend: one of ``BACKENDS``.
+        metric: ``"euclidean"`` (the default, the paper's bias) or ``"manhattan"`` (``d = dy + dx``,
+            a baseline), through every backend.
 
     Returns:
         Tensor of shape (B, heads, N, head_dim), dtype of ``q``.
     """
     grid, prefix = _check_inputs(q, k, v, grid_size, num_prefix_tokens, slopes)
+    check_metric(metric)
     name = resolve_backend(backend, q)
-    return _backend_fn(name)(q, k, v, grid, prefix, slopes, bool(wrap), bool(normalize))
+    if metric == "euclidean":
+        return _backend_fn(name)(q, k, v, grid, prefix, slopes, bool(wrap), bool(normalize))
+    return _backend_fn(name)(q, k, v, grid, prefix, slopes, bool(wrap), bool(normalize), metric=metric)

@@ -144,7 +144,7 @@ class DistillationModule(LightningModule):
             (default): the known list of the teacher's published weights, which exists only for
             ``vit_small_patch14_reg4_dinov2`` (47, 113, 117, 359; README.md "Method" §4); any
             other teacher, a changed architecture or a randomly initialised teacher needs an
-            explicit list (rank channels with the positional probe's per-channel R²). ``[]``: no
+            explicit list (rank channels with ``alibi-vit channels``). ``[]``: no
             blanking. A known list given for another teacher is an error.
         lr, weight_decay, betas: AdamW over the student's trainable parameters.
         warmup_steps: linear warmup over this many optimizer steps (0: none); clipped, with a
@@ -221,8 +221,8 @@ class DistillationModule(LightningModule):
     def _check_blank_channels(self, channels) -> list[int]:
         name, dim = self.hparams.teacher, self.teacher.num_features
         known = KNOWN_BLANK_CHANNELS.get(name)
-        how = ("pass an explicit --model.blank_channels=[...] (rank channels with the positional probe's "
-               "per-channel R²), or [] for no blanking")
+        how = ("pass an explicit --model.blank_channels=[...] (rank channels with `alibi-vit channels "
+               f"--model {name} --pretrained --images DIR`), or [] for no blanking")
         if channels is None:
             if known is None:
                 raise ValueError(f"no known blank_channels for teacher {name} (the default list is for "

@@ -293,4 +293,5 @@ def test_bundled_tiles_follow_the_intensity_mode():
     auto, dtype = tiles("auto"), tiles("dtype")
     assert float(auto[0].max()) > 0.99 and float(dtype[0].max()) < 130 / 255 + 1e-3
     torch.testing.assert_close(auto[1], dtype[1])
-    assert BundledImagesDataModule(batch_size=1).sets == ["textures", "photos", "microscopy", "retina", "astronomy"]
+    assert BundledImagesDataModule(batch_size=1).sets == ["textures", "photos", "microscopy", "retina", "astronomy",
+                                                              "synthetic_micrographs"]

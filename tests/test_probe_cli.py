@@ -3,6 +3,7 @@
 import csv
 
 import numpy as np
+import pytest
 import tifffile
 from PIL import Image
 
@@ -87,3 +88,61 @@ def test_probe_plot_writes_both_figures_from_the_csv_numbers(tmp_path):
     line = plot_r2_per_layer(rows, ["x"]).axes[0].lines[0]
     np.testing.assert_array_equal(line.get_ydata(), [0.5, -1.0, 0.9])  # below −1 drawn at −1
     assert line.get_label().endswith("(random init)")
+
+
+def test_paper_table_runs_what_it_can_and_skips_the_rest(tmp_path, capsys, monkeypatch):
+    """Offline stand-in for the hub: DINOv2-S's and the released ALiBi-Dv2's files are "cached", nothing else."""
+    import timm.models._builder as timm_builder
+    import torch
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from alibi_vit.checkpoint import create_backbone
+
+    arch = dict(depth=1, embed_dim=32, num_heads=2)
+    dinov2 = create_backbone("vit_small_patch14_reg4_dinov2", **arch, dynamic_img_size=False).state_dict()
+    release = create_backbone("alibi_vit_small_patch14_reg4_dinov2", **arch).state_dict()
+    del release["pos_embed"]  # the authors' files may lack it
+    served = {"timm/vit_small_patch14_reg4_dinov2.lvd142m": dinov2, "rmdocherty/dino-saw": release}
+    asked = []
+
+    def fake_hub(model_id, filename=None, **kwargs):
+        asked.append(model_id)
+        if model_id not in served or (filename and filename != "alibi_coco_dv2_vits14_reg4.pth"):
+            raise LocalEntryNotFoundError(f"{model_id} is not in the local cache")
+        return {k: v.clone() for k, v in served[model_id].items()}
+
+    monkeypatch.setattr(timm_builder, "load_state_dict_from_hf", fake_hub)
+    out = tmp_path / "paper.csv"
+    common = ["--images", "noise", "--noise-count", "2", "--size", "112", "--repeats", "2", "--fraction", "0.3"]
+    assert main(["probe", "--paper-table", *TINY_ARGS, *common, "--out", str(out)]) == 0
+    rows = {r["row"]: r for r in read_rows(out)}
+    assert list(rows) == ["DINOv2-S", "DINOv2-S blanked", "DINOv2-B", "DINOv3-S+", "NoPE", "ALiBi-Dv2", "ALiBi-Dv3",
+                          "transform-averaged", "sin-cos"]
+    measured = {k for k, r in rows.items() if not r["skipped"]}
+    assert {"DINOv2-S", "ALiBi-Dv2", "transform-averaged"} <= measured
+    for row in ("DINOv2-B", "DINOv3-S+", "NoPE", "ALiBi-Dv3"):  # no weights here: skipped, with the reason
+        assert rows[row]["xy"] == "" and "not in the local cache" in rows[row]["skipped"]
+    # the blanked baseline's channels 47..359 do not exist in a 32-channel model: skipped, saying why
+    assert "out of range" in rows["DINOv2-S blanked"]["skipped"]
+    assert (rows["DINOv2-S"]["paper_micrographs"], rows["ALiBi-Dv2"]["paper_noise"]) == ("0.83", "-0.85")
+    printed = capsys.readouterr().out
+    assert "skipped" in printed and "DINOv2-B (vit_base_patch14_reg4_dinov2)" in printed
+
+    # The DINOv2-S row is what the plain probe reports for the same weights and images.
+    ckpt = tmp_path / "dinov2_tiny.pth"
+    torch.save(dinov2, ckpt)
+    plain = tmp_path / "plain.csv"
+    assert main(["probe", "--model", "vit_small_patch14_reg4_dinov2", "--checkpoint", str(ckpt),
+                 "--model-arg", "dynamic_img_size=True", *TINY_ARGS, *common, "--targets", "xy",
+                 "--out", str(plain)]) == 0
+    assert float(read_rows(plain)[0]["xy"]) == pytest.approx(float(rows["DINOv2-S"]["xy"]), abs=1e-6)
+
+
+def test_paper_table_bad_input(tmp_path, capsys):
+    args = ["--images", "noise", "--noise-count", "1", "--out", str(tmp_path / "p.csv")]
+    assert main(["probe", "--paper-table", "--size", "224", "--model", "vit_small_patch14_reg4_dinov2", *args]) == 2
+    assert "drop --model" in capsys.readouterr().err
+    assert main(["probe", "--paper-table", "--size", "140", *args]) == 2
+    assert "multiple of 112" in capsys.readouterr().err
+    assert main(["probe", "--size", "56", *args]) == 2
+    assert "--paper-table" in capsys.readouterr().err
