@@ -168,7 +168,8 @@ def create_backbone(name: str, *, pretrained: bool = False, checkpoint=None, **m
     timm state_dict file loaded strictly after the model is built; when it records the
     architecture it was exported with (see :func:`checkpoint_metadata`), those kwargs are used,
     and ``model_kwargs`` given here override them with a warning where they disagree.
-    Unknown names and arguments the model does not take are ValueErrors.
+    A file holding ``rasa_projection`` (a RASA export) gives the folded model. Unknown names and
+    arguments the model does not take are ValueErrors.
     """
     check_model_name(name)
     from_file = {}
@@ -197,5 +198,10 @@ def create_backbone(name: str, *, pretrained: bool = False, checkpoint=None, **m
         raise ValueError(f"cannot build {name} with {given or 'its defaults'}{source}: "
                          f"{err or type(err).__name__}") from err
     if checkpoint is not None:
-        load_weights(model, load_state_dict_file(checkpoint), source=f"checkpoint {checkpoint}")
+        state = load_state_dict_file(checkpoint)
+        from .rasa import PROJECTION_KEY, attach_projection
+
+        if PROJECTION_KEY in state:  # a RASA-folded backbone (alibi_vit.rasa.fold_planes): fold, then load
+            attach_projection(model, torch.eye(model.num_features))
+        load_weights(model, state, source=f"checkpoint {checkpoint}")
     return model

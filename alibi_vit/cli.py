@@ -22,6 +22,8 @@ SUBCOMMANDS = {
     "robustness": ("lit_modules.robustness", "segmentation probe under flip, roll and rot90 (paper Tab. S3)"),
     "export": ("lit_modules.export", "export a distilled student from a Lightning checkpoint as a timm state_dict"),
     "channels": ("alibi_vit.channels_cli", "a teacher's most positional channels, ranked by per-channel positional R²"),
+    "overcluster": ("alibi_vit.overcluster_cli", "OverClustering mIoU of frozen backbones on Pascal VOC, with positional R² "
+                    "and probe mIoU side by side"),
     "segment": ("alibi_vit.segment_cli", "trainable segmentation of micrographs: train, apply, benchmark"),
 }
 

@@ -1,0 +1,115 @@
+"""OverClustering mIoU (README.md "Method" §9) on features and clusters whose answer is known."""
+
+import numpy as np
+import pytest
+
+from alibi_vit.overclustering import (cluster_features, labels_to_patch_grid, map_clusters, miou_from_clusters,
+                                      overclustering, overclustering_miou)
+
+
+def _blobs(num_classes=4, per_class=150, dim=8, sub=1, seed=0, spread=0.05):
+    """Well-separated blobs; with ``sub`` > 1 each class is ``sub`` separate blobs."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(num_classes * sub, dim)) * 10
+    labels = np.repeat(np.arange(num_classes), per_class * sub)
+    blob = (labels * sub + np.tile(np.repeat(np.arange(sub), per_class), num_classes))
+    features = centres[blob] + rng.normal(scale=spread, size=(len(labels), dim))
+    return features.astype(np.float32), labels
+
+
+def test_hand_computed_hungarian():
+    # 3 clusters, 3 classes; clusters 0→class 2, 1→class 0, 2→class 1 are the IoU-maximising matching
+    labels = np.array([0, 0, 0, 1, 1, 2, 2, 2, 255])
+    clusters = np.array([1, 1, 2, 2, 2, 0, 0, 1, 0])
+    r = miou_from_clusters(clusters, labels, 3, 3)
+    assert r.cluster_to_class.tolist() == [2, 0, 1]
+    # class 0: tp 2 (ids 0,1), pred 0 = cluster 1 = {0,1,7} → union = 3 + 3 − 2 = 4 → 0.5
+    # class 1: tp 2 (ids 3,4), pred = cluster 2 = {2,3,4}, label 1 = {3,4} → union 3 → 2/3
+    # class 2: tp 2 (ids 5,6), pred = cluster 0 = {5,6} (8 is ignored), label 2 = {5,6,7} → union 3 → 2/3
+    np.testing.assert_allclose(r.per_class_iou, [0.5, 2 / 3, 2 / 3])
+    assert r.miou == pytest.approx((0.5 + 2 / 3 + 2 / 3) / 3)
+
+
+def test_hand_computed_many_to_one():
+    labels = np.array([0, 0, 1, 1, 1, 2])
+    clusters = np.array([0, 1, 2, 2, 3, 3])  # 4 clusters: 0,1 → class 0; 2 → 1; 3: tie (1 and 2) → 1
+    r = miou_from_clusters(clusters, labels, 4, 3)
+    assert r.cluster_to_class.tolist() == [0, 0, 1, 1]
+    # class 0: 1.0; class 1: tp 3, union 4 → 0.75; class 2: tp 0, union 1 → 0
+    np.testing.assert_allclose(r.per_class_iou, [1.0, 0.75, 0.0])
+
+
+def test_absent_class_left_out():
+    labels = np.array([0, 0, 1, 1])
+    r = miou_from_clusters(np.array([0, 0, 1, 1]), labels, 3, 3)
+    assert np.isnan(r.per_class_iou[2]) and r.miou == 1.0
+
+
+def test_permutation_of_cluster_ids_changes_nothing():
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 5, 500)
+    labels[rng.random(500) < 0.1] = 255
+    clusters = (labels % 255 + rng.integers(0, 3, 500) * (rng.random(500) < 0.4)) % 5
+    for k in (5, 7, 9):  # Hungarian (k = classes) and many-to-one
+        base = miou_from_clusters(clusters, labels, k, 5)
+        perm = rng.permutation(k)
+        again = miou_from_clusters(perm[clusters], labels, k, 5)
+        assert again.miou == pytest.approx(base.miou)
+        np.testing.assert_allclose(again.per_class_iou, base.per_class_iou)
+
+
+@pytest.mark.parametrize("k, sub", [(4, 1), (12, 3), (9, 1)])
+def test_well_separated_blobs_score_near_one(k, sub):
+    features, labels = _blobs(sub=sub)
+    assert overclustering_miou(features, labels, k, 4) > 0.98
+
+
+def test_minibatch_path_on_blobs():
+    features, labels = _blobs(per_class=300, sub=2)
+    r = overclustering(features.astype(np.float16), labels, 8, 4, full_kmeans_max=100, chunk=256)
+    assert r.miou > 0.98
+
+
+def test_noise_scores_near_chance():
+    rng = np.random.default_rng(0)
+    n, c = 4000, 4
+    features, labels = rng.normal(size=(n, 8)).astype(np.float32), rng.integers(0, c, n)
+    chance = 1 / (2 * c - 1)  # random clusters vs. uniform random labels: |A∩B| / |A∪B| = (1/c²)/(2/c − 1/c²)
+    assert abs(overclustering_miou(features, labels, c, c) - chance) < 0.04
+    assert overclustering_miou(features, labels, 4 * c, c) < chance + 0.08
+
+
+def test_kmeans_is_seeded():
+    features, _ = _blobs(sub=3, spread=2.0)
+    np.testing.assert_array_equal(cluster_features(features, 6, seed=1), cluster_features(features, 6, seed=1))
+
+
+@pytest.mark.parametrize("labels, k, match", [
+    (np.zeros(9, dtype=int), 2, "fewer than the 3 classes"),
+    (np.zeros(8, dtype=int), 3, "9 points but labels 8"),
+    (np.array([0, 1, 2, 3, 0, 0, 0, 0, 0]), 3, r"labels \[3\] are neither classes 0..2"),
+    (np.array([0, -1, 0, 0, 0, 0, 0, 0, 0]), 3, r"labels \[-1\]"),
+    (np.zeros(9, dtype=float), 3, "integers"),
+])
+def test_bad_input(labels, k, match):
+    with pytest.raises(ValueError, match=match):
+        overclustering_miou(np.zeros((9, 2), dtype=np.float32), labels, k, 3)
+
+
+def test_map_clusters_refuses_too_few_clusters():
+    with pytest.raises(ValueError, match="k >= num_classes"):
+        map_clusters(np.ones((2, 3)), 3)
+
+
+def test_labels_to_patch_grid_by_hand():
+    # one 4×6 label map, 2×3 patches → a 2×2 grid
+    labels = np.array([[[0, 0, 1, 2, 2, 2],
+                        [0, 1, 1, 2, 255, 255],
+                        [255, 255, 255, 3, 3, 0],
+                        [255, 255, 1, 3, 0, 0]]])
+    expected = [[[0, 2], [255, 0]]]  # ties (top-left 0 vs 1, bottom-right 3 vs 0) go to the lower class
+    np.testing.assert_array_equal(labels_to_patch_grid(labels, (2, 3), 4), expected)
+    with pytest.raises(ValueError, match="not a multiple"):
+        labels_to_patch_grid(labels, 4, 4)
+    with pytest.raises(ValueError, match=r"labels \[3\]"):
+        labels_to_patch_grid(labels, (2, 3), 3)

@@ -1,0 +1,106 @@
+"""``alibi-vit overcluster`` on a generated VOC-layout set, with a tiny random-init backbone."""
+
+import argparse
+import csv
+
+import pytest
+import torch
+
+from alibi_vit import create_backbone, patch_features
+from alibi_vit import overcluster_cli
+from alibi_vit.overclustering import labels_to_patch_grid, overclustering_miou
+from alibi_vit.rasa import fold_planes
+from datamodules.demo_voc import write_demo_voc
+
+KWARGS = ["--model-arg", "depth=2", "--model-arg", "embed_dim=48", "--model-arg", "num_heads=2"]
+TINY = dict(depth=2, embed_dim=48, num_heads=2)
+
+
+def _run(argv):
+    parser = argparse.ArgumentParser()
+    overcluster_cli.add_arguments(parser)
+    return overcluster_cli.run(parser.parse_args(argv))
+
+
+@pytest.fixture(scope="module")
+def voc(tmp_path_factory):
+    return write_demo_voc(tmp_path_factory.mktemp("voc"), n_train=1, n_val=6)
+
+
+def test_overcluster_matches_direct_computation(voc, tmp_path, capsys):
+    torch.manual_seed(0)
+    model = create_backbone("vit_small_patch14_reg4_dinov2", **TINY).eval()
+    planes = [torch.randn(2, 48)]
+    path = tmp_path / "rasa.pth"
+    torch.save(fold_planes(model, planes).state_dict(), path)
+    out = tmp_path / "oc.csv"
+    assert _run(["--backbone", "vit_small_patch14_reg4_dinov2", "--checkpoint", str(path), *KWARGS,
+                 "--data.root", str(voc), "--k", "21", "25", "--size", "56", "--num-workers", "0",
+                 "--batch-size", "4", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(open(out)))
+    assert [int(r["k"]) for r in rows] == [21, 25]
+    assert int(rows[0]["patches"]) == 6 * 4 * 4
+    assert "IoU_background" in rows[0] and "mIoU" in capsys.readouterr().out
+
+    # the same numbers from the pieces: VOC val images stretched to 56 px, RASA-folded features, majority labels
+    dm = overcluster_cli.voc_datamodule(voc, size=56, batch_size=6, num_workers=0)
+    batch = next(iter(dm.val_dataloader()))
+    with torch.no_grad():
+        feats = patch_features(fold_planes(model, planes), batch["image"])
+    flat = feats.permute(0, 2, 3, 1).reshape(-1, 48).half().numpy()
+    labels = labels_to_patch_grid(batch["label"].numpy(), 14, 21).reshape(-1)
+    for row in rows:
+        assert float(row["mIoU"]) == pytest.approx(overclustering_miou(flat, labels, int(row["k"]), 21), abs=1e-6)
+
+
+def test_overcluster_bad_k(voc, tmp_path):
+    with pytest.raises(ValueError, match="fewer than VOC's 21 classes"):
+        _run(["--backbone", "vit_small_patch14_reg4_dinov2", *KWARGS, "--data.root", str(voc), "--k", "10",
+              "--out", str(tmp_path / "x.csv")])
+
+
+def test_overcluster_bad_size(voc, tmp_path):
+    with pytest.raises(ValueError, match="not a multiple of the patch size"):
+        _run(["--backbone", "vit_small_patch14_reg4_dinov2", *KWARGS, "--data.root", str(voc), "--size", "50",
+              "--num-workers", "0", "--out", str(tmp_path / "x.csv")])
+
+
+@pytest.mark.filterwarnings("ignore:.*does not have many workers", "ignore:The number of training batches")
+def test_comparison_table(voc, tmp_path):
+    import lightning as L
+
+    from alibi_vit.probe import positional_r2
+    from alibi_vit.images import load_image_set, normalize
+    from datamodules.segmentation import VOCSegmentation
+    from lit_modules.segmentation_probe import SegmentationProbeModule
+
+    torch.manual_seed(0)
+    model = create_backbone("vit_small_patch14_reg4_dinov2", **TINY).eval()
+    rasa = tmp_path / "rasa.pth"
+    torch.save(fold_planes(model, [torch.randn(2, 48)]).state_dict(), rasa)
+    plain = tmp_path / "plain.pth"
+    torch.save(model.state_dict(), plain)
+    # a (barely) trained probe on the same tiny backbone
+    probe = SegmentationProbeModule("vit_small_patch14_reg4_dinov2", backbone_checkpoint=str(plain),
+                                    backbone_kwargs=TINY)
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(probe, datamodule=VOCSegmentation(str(voc), image_size=56, batch_size=2, num_workers=0))
+    trainer.save_checkpoint(tmp_path / "probe.ckpt")
+
+    out = tmp_path / "cmp.csv"
+    assert _run(["--backbone", "dinov2=vit_small_patch14_reg4_dinov2", "dinov2+rasa=vit_small_patch14_reg4_dinov2",
+                 "--checkpoint", f"dinov2={plain}", "--checkpoint", f"dinov2+rasa={rasa}", *KWARGS,
+                 "--data.root", str(voc), "--k", "21", "30", "--size", "56", "--num-workers", "0",
+                 "--r2-images", "noise", "--r2-size", "112", "--probe-checkpoint", f"dinov2={tmp_path / 'probe.ckpt'}",
+                 "--out", str(out)]) == 0
+    lines = (tmp_path / "cmp.md").read_text().splitlines()
+    assert lines[0] == "| backbone | weights | R² noise | OC k=21 | OC k=30 | probe mIoU |"
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert [c[0] for c in cells] == ["dinov2", "dinov2+rasa"]
+    # R² column: the positional probe of the plain backbone on the same noise images
+    images = torch.stack([normalize(img) for _, img in load_image_set("noise", 112)])
+    with torch.no_grad():
+        expected = positional_r2(patch_features(model, images), "xy")
+    assert float(cells[0][2]) == pytest.approx(expected, abs=1e-3)
+    assert 0 <= float(cells[0][5]) <= 100 and cells[1][5] == ""
