@@ -32,7 +32,7 @@ from timm.models.eva import Eva, EvaAttention
 
 from .attention import AlibiEvaAttention, PatchGrid
 from .models import DINOV3_NAMES, DINOV3_SIZES, POSITION_KWARGS
-from .vision_transformer import (DINOV3_META, VIT, adapt_in_place, architecture_name, checkpoint_family,
+from .vision_transformer import (DINOV3_META, VIT, AdaptsStateDict, architecture_name, checkpoint_family,
                                  strict_filter)
 
 __all__ = ["DINOV3_NAMES", "AlibiEva", "convert_eva", "create_dinov3", "meta_to_timm"]
@@ -89,7 +89,7 @@ def meta_to_timm(state_dict: dict, qv_bias: bool) -> dict:
     return out
 
 
-class AlibiEva(Eva):
+class AlibiEva(AdaptsStateDict, Eva):
     """A timm DINOv3 ``Eva`` whose attention layers take the 2D ALiBi bias (or nothing) instead of RoPE.
 
     Instances come from :func:`convert_eva` (or ``convert_to_alibi``/``convert_to_nope`` on an Eva).
@@ -121,12 +121,6 @@ class AlibiEva(Eva):
                 if name.endswith((".attn.q_bias", ".attn.v_bias")):
                     state[name] = torch.zeros_like(p)
         return state
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        adapt_in_place(self, state_dict, prefix)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
 
 
 def convert_eva(model: Eva, *, use_bias: bool = True, slopes: str = "constant", wrap: bool = True,

@@ -68,20 +68,25 @@ def strict_filter(state_dict: dict, model) -> dict:
     return state
 
 
-def adapt_in_place(model, state_dict: dict, prefix: str) -> None:
-    """Replace the keys under ``prefix`` by ``model.adapt_state_dict`` of them (a ``_load_from_state_dict`` step).
+class AdaptsStateDict:
+    """Mixin for models with an ``adapt_state_dict``: their keys are replaced by its result on loading.
 
-    Every way into a model (``load_state_dict``, timm's ``checkpoint_path`` and pretrained loading,
-    a parent module's checkpoint) passes there, before any key is compared.
+    ``_load_from_state_dict`` is the step every way into a model passes (``load_state_dict``, timm's
+    ``checkpoint_path`` and pretrained loading, a parent module's checkpoint), before any key is compared.
     """
-    local = {k[len(prefix):]: k for k in state_dict if k.startswith(prefix)}
-    adapted = model.adapt_state_dict({k: state_dict[full] for k, full in local.items()})
-    for full in local.values():
-        del state_dict[full]
-    state_dict.update({prefix + k: v for k, v in adapted.items()})
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        local = {k[len(prefix):]: k for k in state_dict if k.startswith(prefix)}
+        adapted = self.adapt_state_dict({k: state_dict[full] for k, full in local.items()})
+        for full in local.values():
+            del state_dict[full]
+        state_dict.update({prefix + k: v for k, v in adapted.items()})
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
 
-class AlibiVisionTransformer(VisionTransformer):
+class AlibiVisionTransformer(AdaptsStateDict, VisionTransformer):
     """A VisionTransformer whose tokens carry no absolute position embedding.
 
     Instances come from :func:`convert_to_alibi` / :func:`convert_to_nope`, which also turn on
@@ -114,12 +119,6 @@ class AlibiVisionTransformer(VisionTransformer):
         # Absent, or zero for another grid: the model's own zero table (it is never added anyway).
         state["pos_embed"] = torch.zeros(own.shape, dtype=given.dtype if given is not None else own.dtype)
         return state
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        adapt_in_place(self, state_dict, prefix)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
 
     def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
         B, h, w, C = x.shape  # NHWC from the patch embedding
