@@ -195,10 +195,10 @@ def main(argv=None) -> int:
         "",
         f"One synthetic 3-phase 16-bit micrograph of {args.size}×{args.size} px; {threads} torch threads, "
         f"{args.xgb_threads} XGBoost thread(s); "
-        f"torch {env['torch']}; {env['date']}. Times are the best of {args.repeats} runs. The machine was shared: "
-        f"load average {res['load_before']:.1f} before and {res['load_after']:.1f} after the run on its "
-        f"{os.cpu_count()} cores, so wall times include waiting for a core; CPU time is the process's own work "
-        "(all its threads together).",
+        f"torch {env['torch']}; {env['date']}. Times are the best of {args.repeats} runs. Load average "
+        f"{res['load_before']:.1f} before and {res['load_after']:.1f} after the run on the machine's "
+        f"{os.cpu_count()} cores (other work on them shows up in the wall times); CPU time is the process's own "
+        "work (all its threads together).",
         "",
         "| step | wall time (s) | CPU time (s) | target (wall) | |",
         "|---|---:|---:|---:|---|",
