@@ -151,7 +151,10 @@ def check_model_name(name: str) -> None:
     """A ValueError naming close matches (timm's models and this project's) when timm does not know ``name``."""
     if timm.is_model(name):
         return
-    close = difflib.get_close_matches(name, sorted(set(timm.list_models()) | set(MODEL_NAMES)), n=4, cutoff=0.6)
+    known = sorted(set(timm.list_models()) | set(MODEL_NAMES))
+    # A name cut short is the usual typo: names it begins come first, then the closest spellings.
+    close = [n for n in known if n.startswith(name.partition(".")[0])][:4]
+    close = close or difflib.get_close_matches(name, known, n=4, cutoff=0.6)
     hint = (f"did you mean {', '.join(close)}?" if close else
             "this project's are alibi_vit_*/nope_vit_* of DINOv2 (patch14_reg4_dinov2) and DINOv3 "
             "(patch16_dinov3), and the baselines blanked_/tavg_/sincos_vit_small_patch14_reg4_dinov2, each with "

@@ -51,6 +51,9 @@ def test_unknown_model_names_close_matches_before_building_anything(tmp_path, ca
     assert "randomly initialised" not in captured.err  # failed before the first (valid) model was built
     with pytest.raises(ValueError, match="unknown model 'xyzzy'; this project's are"):
         alibi_vit.create_backbone("xyzzy")
+    # a name cut short: the names it begins are offered first, not unrelated close spellings
+    with pytest.raises(ValueError, match="did you mean alibi_vit_small_patch14_reg4_dinov2, alibi_vit_small_patch16"):
+        alibi_vit.create_backbone("alibi_vit_smal")
 
 
 def test_corrupt_checkpoints_never_pass_on_torch_advice(tmp_path, capsys):
