@@ -26,14 +26,14 @@ import re
 from functools import partial
 
 import torch
-from timm.layers import Format, LayerNorm
+from timm.layers import LayerNorm
 from timm.models import build_model_with_cfg, load_pretrained
 from timm.models.eva import Eva, EvaAttention
 
 from .attention import AlibiEvaAttention, PatchGrid
 from .models import DINOV3_NAMES, DINOV3_SIZES, POSITION_KWARGS
 from .vision_transformer import (DINOV3_META, VIT, AdaptsStateDict, architecture_name, checkpoint_family,
-                                 strict_filter)
+                                 hand_over_patch_grid, strict_filter)
 
 __all__ = ["DINOV3_NAMES", "AlibiEva", "convert_eva", "create_dinov3", "meta_to_timm"]
 
@@ -143,10 +143,7 @@ def convert_eva(model: Eva, *, use_bias: bool = True, slopes: str = "constant", 
         raise ValueError("only Eva models without an absolute position embedding (timm's DINOv3) can be converted")
     model.rope = None
     model.rope_mixed = False
-    model.dynamic_img_size = True
-    model.patch_embed.strict_img_size = False
-    model.patch_embed.flatten = False
-    model.patch_embed.output_fmt = Format.NHWC
+    hand_over_patch_grid(model)
     model.__class__ = AlibiEva
     model.patch_grid = PatchGrid()
     for i, block in enumerate(model.blocks):

@@ -68,6 +68,17 @@ def strict_filter(state_dict: dict, model) -> dict:
     return state
 
 
+def hand_over_patch_grid(model) -> None:
+    """Let the patch embedding take any image size and hand its (h, w) grid over in NHWC layout.
+
+    The attention layers read the grid from it (no position embedding resizes anything).
+    """
+    model.dynamic_img_size = True
+    model.patch_embed.strict_img_size = False
+    model.patch_embed.flatten = False
+    model.patch_embed.output_fmt = Format.NHWC
+
+
 class AdaptsStateDict:
     """Mixin for models with an ``adapt_state_dict``: their keys are replaced by its result on loading.
 
@@ -151,10 +162,7 @@ def _convert(model, *, use_bias, **position_kwargs):
         with torch.no_grad():
             model.pos_embed.zero_()
         model.pos_embed.requires_grad_(False)
-    model.dynamic_img_size = True
-    model.patch_embed.strict_img_size = False
-    model.patch_embed.flatten = False
-    model.patch_embed.output_fmt = Format.NHWC
+    hand_over_patch_grid(model)
     model.__class__ = AlibiVisionTransformer
     model.patch_grid = PatchGrid()
     jitter_seed = position_kwargs.pop("jitter_seed", 0)

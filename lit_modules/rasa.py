@@ -30,7 +30,6 @@ and later epochs read float16 features from disk, exactly as the segmentation pr
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from pathlib import Path
@@ -43,6 +42,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from alibi_vit import create_backbone, patch_features
 from alibi_vit.rasa import fold_planes, orthogonalize_planes, remove_planes
+from lit_modules.segmentation_probe import backbone_autocast
 
 __all__ = ["RASAModule", "position_grid"]
 
@@ -52,12 +52,6 @@ def position_grid(h: int, w: int, device=None) -> torch.Tensor:
     rows = torch.linspace(0, 1, h, device=device) if h > 1 else torch.zeros(1, device=device)
     cols = torch.linspace(0, 1, w, device=device) if w > 1 else torch.zeros(1, device=device)
     return torch.stack(torch.meshgrid(rows, cols, indexing="ij"), dim=-1).reshape(-1, 2)
-
-
-def _bf16_autocast(device: torch.device):
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 class RASAModule(L.LightningModule):
@@ -120,7 +114,7 @@ class RASAModule(L.LightningModule):
 
     def backbone_features(self, images: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) normalised images → (B, C, h, w) float32 features, no gradients."""
-        with torch.no_grad(), _bf16_autocast(images.device):
+        with torch.no_grad(), backbone_autocast(images.device):
             return patch_features(self.backbone, images).float()
 
     def backbone_tag(self, device=None) -> str:

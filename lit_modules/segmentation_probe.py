@@ -44,8 +44,8 @@ from torchmetrics.classification import MulticlassConfusionMatrix
 from alibi_vit import create_backbone, patch_features
 from alibi_vit.models import MODEL_NAMES
 
-__all__ = ["IGNORE_INDEX", "FeatureCache", "SegmentationProbeModule", "confusion_matrix", "iou_from_confusion",
-           "local_pretrained_overlay"]
+__all__ = ["IGNORE_INDEX", "FeatureCache", "SegmentationProbeModule", "backbone_autocast", "confusion_matrix",
+           "iou_from_confusion", "local_pretrained_overlay"]
 
 IGNORE_INDEX = 255
 CACHE_DTYPE = torch.float16  # halves the disk; range is ample for layer-normed features (checked on save)
@@ -167,7 +167,7 @@ def local_pretrained_overlay(backbone: str, backbone_kwargs: dict | None = None,
     return {}
 
 
-def _bf16_autocast(device: torch.device):
+def backbone_autocast(device: torch.device):
     """bf16 autocast for the backbone where the device does bf16 natively (CUDA ≥ Ampere); else fp32."""
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -262,12 +262,12 @@ class SegmentationProbeModule(L.LightningModule):
             # reshape: 0-dim tensors cannot be viewed as bytes
             digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
         device = device or self.device
-        precision = "bf16" if isinstance(_bf16_autocast(device), torch.autocast) else "fp32"
+        precision = "bf16" if isinstance(backbone_autocast(device), torch.autocast) else "fp32"
         return f"{self.hparams.backbone}-{digest.hexdigest()[:16]}-{precision}"
 
     def backbone_features(self, images: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) normalised images → (B, C, h, w) float32 patch features, no gradients."""
-        with torch.no_grad(), _bf16_autocast(images.device):
+        with torch.no_grad(), backbone_autocast(images.device):
             return patch_features(self.backbone, images).float()
 
     def head_logits(self, features: torch.Tensor, size) -> torch.Tensor:
