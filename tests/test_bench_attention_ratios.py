@@ -1,25 +1,15 @@
 """bench_attention.ratios: speed ratios against each baseline and against the fastest SDPA kernel without bias."""
 
-import importlib.util
-import sys
-from pathlib import Path
+from tests.helpers import benchmark_module
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_attention.py"
-
-
-def _module():
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+bench = benchmark_module("bench_attention")
 
 
 def test_ratios_take_the_fastest_pinned_sdpa_kernel_as_ceiling():
     times = {"triton": 2.0, "sdpa-nobias": 1.6, "sdpa-nobias-flash": 1.8, "sdpa-nobias-cudnn": 1.5,
              "sdpa-nobias-efficient": None, "sdpa-bias": 5.0, "flex": 3.0}
     rows = [dict(model="vit-s", image_px=518, mode="fwd+bwd", backend=b, ms=t) for b, t in times.items()]
-    (entry,) = _module().ratios(rows)
+    (entry,) = bench.ratios(rows)
     assert entry["triton_variant"] == "triton"
     assert entry["speed_vs_sdpa-nobias"] == 0.8 and entry["speed_vs_sdpa-bias"] == 2.5
     assert entry["speed_vs_flex"] == 1.5

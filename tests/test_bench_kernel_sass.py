@@ -1,6 +1,5 @@
 """benchmarks/bench_kernel_sass.py: its SASS parsing and occupancy rule, and one real sm_90 compile."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,16 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import benchmark_module
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_kernel_sass.py"
 
 
-def _module():
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("bench_kernel_sass", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+bench = benchmark_module("bench_kernel_sass")
 
 
 SASS = """
@@ -41,16 +37,16 @@ SASS = """
 def test_main_loop_is_the_shortest_loop_with_tensor_core_instructions():
     # Loops: 0x10-0x30 (3 instructions, no HGMMA), 0x40-0x60 (3, HGMMA), 0x70-0xa0 (4, HGMMA);
     # BRA 0xc0 jumps forward and is no loop.
-    assert _module().sass_main_loop(SASS) == 3
+    assert bench.sass_main_loop(SASS) == 3
 
 
 def test_no_tensor_core_loop_is_an_error():
     with pytest.raises(ValueError, match="no loop"):
-        _module().sass_main_loop(SASS.replace("HGMMA", "FFMA"))
+        bench.sass_main_loop(SASS.replace("HGMMA", "FFMA"))
 
 
 def test_ctas_per_sm_follows_the_sm90_limits():
-    ctas = _module().ctas_per_sm
+    ctas = bench.ctas_per_sm
     # 169 registers → 176 per thread (a warp allocates 256-register units): 5632 per warp,
     # 11 warps fit in 64K registers: one CTA of 8 warps.
     assert ctas(169, 8, 82176) == 1

@@ -25,6 +25,7 @@ from lit_modules.cli import cli, main, newest_resume_checkpoint
 from alibi_vit.feature_maps import shared_pca_rgb
 from lit_modules.distillation import KNOWN_BLANK_CHANNELS, DistillationModule, cosine_distance
 from lit_modules.export import export_student
+from tests.helpers import benchmark_module
 
 # In-process CLI runs see pytest's own argv too; Lightning warns about that, harmlessly.
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
@@ -348,11 +349,7 @@ def test_two_process_ddp_matches_single_process_on_same_global_batch(tmp_path):
 # -- benchmark script -----------------------------------------------------------------------------
 
 def test_benchmark_smoke_writes_markdown_and_json(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_distill_throughput as bench
-    finally:
-        sys.path.pop(0)
+    bench = benchmark_module("bench_distill_throughput")
     assert bench.main(["--smoke", "--backends", "sdpa", "eager", "--out-dir", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "distill_throughput_cpu-smoke.json").read_text())
     assert {(r["backend"], r["image_size"]) for r in data["results"]} == {(b, s) for b in ("sdpa", "eager")

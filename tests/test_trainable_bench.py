@@ -1,16 +1,15 @@
 """benchmarks/bench_trainable_seg.py: its memory measurement holds the bound, and --smoke writes a report."""
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from alibi_vit.trainable import TrainableSegmenter, scribbles, synthetic_micrograph
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_trainable_seg as bench  # noqa: E402
+from tests.helpers import benchmark_module
+
+bench = benchmark_module("bench_trainable_seg")
 
 
 @pytest.mark.slow
