@@ -9,8 +9,8 @@ warm-up that also covers compilation and autotuning), TFLOP/s (4·B·H·N²·D f
 3.5× that for forward+backward) and peak memory beyond the inputs, and the largest absolute
 difference of the forward output from SDPA with the materialised bias (a sanity check).
 
-Backends: ``triton`` (fused kernel, difference-table bias), ``triton-sqrt`` (fused kernel,
-per-element sqrt), ``flex`` (compiled FlexAttention with the score_mod), ``sdpa-bias``
+Backends: ``triton`` (fused kernel, difference-table bias), ``triton-atomic-dq`` (the same with
+the opt-in atomic dQ backward), ``triton-sqrt`` (fused kernel, per-element sqrt), ``flex`` (compiled FlexAttention with the score_mod), ``sdpa-bias``
 (SDPA with the materialised (N, N) bias), ``sdpa-nobias`` (SDPA without bias: the ceiling),
 each also pinned to one SDPA kernel (``sdpa-nobias-flash``, ``-cudnn``, ``-efficient``;
 ``sdpa-bias-cudnn``, ``-efficient``; the row's ``sdpa_backend`` names it, "default" where torch
@@ -27,6 +27,7 @@ Results go to ``benchmarks/results/attention_<device-slug>.{md,json}``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -44,8 +45,9 @@ SIZES = (224, 518, 1036, 2072)
 SDPA_PINNED = {"sdpa-nobias-flash": "FLASH_ATTENTION", "sdpa-nobias-cudnn": "CUDNN_ATTENTION",
                "sdpa-nobias-efficient": "EFFICIENT_ATTENTION", "sdpa-bias-cudnn": "CUDNN_ATTENTION",
                "sdpa-bias-efficient": "EFFICIENT_ATTENTION"}
-BACKENDS = ("triton", "triton-sqrt", "flex", "sdpa-bias", "sdpa-nobias", *SDPA_PINNED, "eager")
-SMOKE_BACKENDS = ("triton", "sdpa-bias", "sdpa-nobias", "eager")
+TRITON_VARIANTS = ("triton", "triton-atomic-dq", "triton-sqrt")
+BACKENDS = (*TRITON_VARIANTS, "flex", "sdpa-bias", "sdpa-nobias", *SDPA_PINNED, "eager")
+SMOKE_BACKENDS = ("triton", "triton-atomic-dq", "sdpa-bias", "sdpa-nobias", "eager")
 MODES = ("fwd", "fwd+bwd")
 PATCH, PREFIX, HEAD_DIM = 14, 5, 64
 
@@ -76,9 +78,9 @@ def backend_fns(names, grid, slopes=None):
 
     fns = {}
     for name in names:
-        if name in ("triton", "triton-sqrt"):
+        if name in TRITON_VARIANTS:
             from kernels.alibi_triton import triton_alibi_attention
-            mode = "table" if name == "triton" else "sqrt"
+            mode = "sqrt" if name == "triton-sqrt" else "table"
             fns[name] = (lambda q, k, v, _m=mode: triton_alibi_attention(q, k, v, grid, PREFIX, slopes, True, True,
                                                                          bias_mode=_m))
         elif name == "flex":
@@ -104,6 +106,16 @@ def backend_fns(names, grid, slopes=None):
         elif name == "eager":
             fns[name] = lambda q, k, v: eager_alibi_attention(q, k, v, grid, PREFIX, slopes, True, True)
     return fns
+
+
+def backend_context(name):
+    """The context a backend's calls (backward included) run in: atomic dQ on for ``triton-atomic-dq``, off
+    for the other triton variants, nothing for the rest."""
+    if name not in TRITON_VARIANTS:
+        return contextlib.nullcontext()
+    from kernels.alibi_triton import atomic_dq
+
+    return atomic_dq(name == "triton-atomic-dq")
 
 
 def cuda_timer(warmup, rep):
@@ -162,6 +174,8 @@ def run(args):
                     cached_alibi_bias.cache_clear()
             for mode in args.modes:
                 for name, fn in fns.items():
+                    if mode == "fwd" and name == "triton-atomic-dq":
+                        continue  # its forward is triton's
                     row = dict(model=model, heads=heads, image_px=px, grid=list(grid), N=n, batch=bsz, mode=mode,
                                backend=name, ms=None, tflops=None, peak_mib=None, extra_mib=None,
                                max_abs_diff_vs_sdpa_bias=None, status="ok",
@@ -172,8 +186,9 @@ def run(args):
                             with torch.no_grad():
                                 return fn(*leaves)
                     else:
-                        def call(fn=fn, leaves=leaves):
-                            return torch.autograd.grad(fn(*leaves), leaves, dout)
+                        def call(fn=fn, leaves=leaves, name=name):
+                            with backend_context(name):
+                                return torch.autograd.grad(fn(*leaves), leaves, dout)
                     try:
                         first = call()  # compile / autotune / build tables before anything is measured
                         if mode == "fwd" and reference is not None:
@@ -225,7 +240,7 @@ def ratios(rows):
         if key not in seen:
             seen.append(key)
     for model, px, mode in seen:
-        for variant in ("triton", "triton-sqrt"):
+        for variant in TRITON_VARIANTS:
             t = keyed.get((model, px, mode, variant))
             if t is None:
                 continue

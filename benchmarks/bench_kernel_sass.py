@@ -21,7 +21,9 @@ bundled with Triton):
   ``shared_bytes`` and ``ctas_per_sm`` at the launch config (sm_90: 64K registers, 228 KiB
   shared memory with 1 KiB reserved per CTA, 64 warps and 32 CTAs per SM).
 
-``default`` marks the config used when autotuning is off (``ALIBI_TRITON_AUTOTUNE=0``). These
+``default`` marks the config used when autotuning is off (``ALIBI_TRITON_AUTOTUNE=0``). The opt-in
+atomic-dQ backward (``ALIBI_TRITON_ATOMIC_DQ=1``: the dK/dV kernel also adds dS·K into dQ, no dQ
+kernel) is compiled at the default dK/dV config and reported apart, under ``atomic_dq``. These
 are instruction counts, not timings: they predict relative cost only where both variants are
 bound by the same unit. Results go to ``benchmarks/results/kernel_sass_sm90.{md,json}``.
 
@@ -61,6 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
     p.add_argument("--bias-mode", choices=("table", "sqrt"), default="table")
     p.add_argument("--default-only", action="store_true", help="only the config used when autotuning is off")
+    p.add_argument("--no-atomic-dq", action="store_true",
+                   help="skip the opt-in atomic-dQ variant of the dK/dV kernel (reported apart from `rows`)")
     p.add_argument("--out-dir", type=Path, default=None,
                    help=f"where {STEM}.{{md,json}} go (default: benchmarks/results/)")
     p.add_argument("--smoke", action="store_true", help="not a measurement: write under benchmarks/results/smoke/")
@@ -81,9 +85,10 @@ def _sample_call(kind, head_dim, dtype, table):
     import torch
 
     from kernels import alibi_triton as at
+    from kernels.alibi_bias import device_bias_lookup
 
     heads, n = WIDTH // head_dim, PREFIX + GRID[0] * GRID[1]
-    geometry = GRID, at._geometry(*GRID, PREFIX, True, True, table, torch.device("cpu"))
+    geometry = GRID, device_bias_lookup(*GRID, PREFIX, True, True, table, torch.device("cpu"))
     qkv = torch.empty(1, n, 3, heads, head_dim, dtype=dtype)
     q, k, v = qkv.permute(2, 0, 3, 1, 4)  # as timm's fused qkv projection hands them over
     slopes = torch.ones(1)  # constant slopes (slopes=None, the paper's choice): one slope for all heads
@@ -152,10 +157,12 @@ def ctas_per_sm(registers: int, num_warps: int, shared: int) -> int:
     return min(by_regs, by_smem, SM90["max_warps"] // num_warps, SM90["max_ctas"])
 
 
-def analyse(kind, variant, head_dim, dtype_name, cfg, default, bias_mode, workdir):
+def analyse(kind, variant, head_dim, dtype_name, cfg, default, bias_mode, workdir, atomic_dq=False):
     import torch
 
     fn, args, kw = _sample_call(kind, head_dim, getattr(torch, dtype_name), bias_mode == "table")
+    if atomic_dq:
+        kw = {**kw, "ATOMIC_DQ": True}
     kw = {**kw, **cfg.kwargs, "HAS_BIAS": variant == "alibi", "num_warps": cfg.num_warps,
           "num_stages": cfg.num_stages, "enable_fp_fusion": True}
     kernel = compile_sm90(fn, args, kw)
@@ -172,7 +179,8 @@ def analyse(kind, variant, head_dim, dtype_name, cfg, default, bias_mode, workdi
             "block_m": bm, "block_n": bn, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
             "heads_per_program": heads_per_program, "default": default, "main_loop_instructions": loop,
             "instructions_per_element": round(loop * cfg.num_warps / (bm * bn * heads_per_program), 4),
-            **usage, "shared_bytes": shared, "ctas_per_sm": ctas_per_sm(usage["registers"], cfg.num_warps, shared)}
+            **usage, "shared_bytes": shared, "ctas_per_sm": ctas_per_sm(usage["registers"], cfg.num_warps, shared),
+            **({"atomic_dq": True} if atomic_dq else {})}
 
 
 def summarise(rows):
@@ -191,6 +199,28 @@ def summarise(rows):
         if ("fwd", "alibi") in sel:
             entry["fwd_ctas_per_sm"] = sel[("fwd", "alibi")]["ctas_per_sm"]
         entry["spills"] = any(sel[key]["spill_bytes"] > 0 for key in sel if key[1] == "alibi")
+        out.append(entry)
+    return out
+
+
+def summarise_atomic_dq(rows, atomic_rows):
+    """Per (head_dim, dtype): the opt-in atomic-dQ backward (one dK/dV kernel that also adds dS·K into dQ)
+    against the default two-kernel backward, both as alibi and nobias, warp-instructions per score element."""
+    out = []
+    for a in atomic_rows:
+        if a["variant"] != "alibi":
+            continue
+        same = [r for r in rows if r["default"] and (r["head_dim"], r["dtype"]) == (a["head_dim"], a["dtype"])]
+        two_kernel = {v: sum(r["instructions_per_element"] for r in same
+                             if r["variant"] == v and r["kernel"] in ("bwd_dkdv", "bwd_dq"))
+                      for v in ("alibi", "nobias")}
+        nobias = next((r for r in atomic_rows if r["variant"] == "nobias"
+                       and (r["head_dim"], r["dtype"]) == (a["head_dim"], a["dtype"])), None)
+        entry = {"head_dim": a["head_dim"], "dtype": a["dtype"], "atomic_alibi": a["instructions_per_element"],
+                 "atomic_nobias": nobias and nobias["instructions_per_element"],
+                 "two_kernel_alibi": round(two_kernel["alibi"], 4), "two_kernel_nobias": round(two_kernel["nobias"], 4)}
+        if two_kernel["nobias"]:
+            entry["atomic_alibi_vs_two_kernel_nobias"] = round(a["instructions_per_element"] / two_kernel["nobias"], 3)
         out.append(entry)
     return out
 
@@ -220,6 +250,21 @@ def markdown(payload):
                      f"{r['num_stages']} | {'yes' if r['default'] else ''} | "
                      f"{r['main_loop_instructions']} | {r['instructions_per_element']} | {r['registers']} | "
                      f"{r['spill_bytes']} | {r['shared_bytes']} | {r['ctas_per_sm']} |")
+    if payload.get("atomic_dq"):
+        lines += ["", "## Opt-in atomic dQ (`ALIBI_TRITON_ATOMIC_DQ=1`), default dK/dV config", "",
+                  "One dK/dV kernel that also adds dS·K into an fp32 dQ with atomic adds, against the default "
+                  "backward (dK/dV kernel + dQ kernel), in warp-instructions per score element. Atomic adds are "
+                  "memory traffic that instruction counts do not weigh: only a GPU timing can say which is faster.",
+                  "", "| head_dim | dtype | atomic alibi | atomic nobias | two-kernel alibi | two-kernel nobias | "
+                  "atomic alibi / two-kernel nobias | regs | spill B | CTAs/SM |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for s in payload["atomic_dq_summary"]:
+            r = next(r for r in payload["atomic_dq"] if r["variant"] == "alibi"
+                     and (r["head_dim"], r["dtype"]) == (s["head_dim"], s["dtype"]))
+            lines.append(f"| {s['head_dim']} | {s['dtype']} | {s['atomic_alibi']} | {s['atomic_nobias']} | "
+                         f"{s['two_kernel_alibi']} | {s['two_kernel_nobias']} | "
+                         f"{s.get('atomic_alibi_vs_two_kernel_nobias', '')} | {r['registers']} | {r['spill_bytes']} | "
+                         f"{r['ctas_per_sm']} |")
     return lines
 
 
@@ -234,7 +279,7 @@ def main(argv=None):
     except (FileNotFoundError, ImportError) as err:
         raise SystemExit(f"bench_kernel_sass.py: {err}") from None
     kinds = {"fwd": "fwd", "bwd_dkdv": "dkdv", "bwd_dq": "dq"}
-    rows = []
+    rows, atomic_rows = [], []
     with tempfile.TemporaryDirectory() as workdir:
         for d in args.head_dims:
             for dtype in args.dtypes:
@@ -248,9 +293,19 @@ def main(argv=None):
                                   f"w{row['num_warps']} s{row['num_stages']}: {row['main_loop_instructions']} insts, "
                                   f"{row['instructions_per_element']}/elem, {row['registers']} regs, "
                                   f"spill {row['spill_bytes']}, {row['ctas_per_sm']} CTA/SM", flush=True)
+                if "bwd_dkdv" in args.kernels and not args.no_atomic_dq:
+                    cfg = at.gpu_launch_configs("dkdv", d, args.bias_mode == "table")[0]
+                    for variant in ("alibi", "nobias"):
+                        row = analyse("bwd_dkdv", variant, d, dtype, cfg, True, args.bias_mode, workdir,
+                                      atomic_dq=True)
+                        atomic_rows.append(row)
+                        print(f"bwd_dkdv+atomic dQ {variant:6s} d={d} {dtype:8s}: {row['main_loop_instructions']} "
+                              f"insts, {row['instructions_per_element']}/elem, {row['registers']} regs, "
+                              f"spill {row['spill_bytes']}", flush=True)
     payload = {"command": command_line("bench_kernel_sass.py", sys.argv[1:] if argv is None else argv),
                **environment(), "target": "sm_90", "bias_mode": args.bias_mode, "smoke": args.smoke,
-               "grid": list(GRID), "num_prefix_tokens": PREFIX, "summary": summarise(rows), "rows": rows}
+               "grid": list(GRID), "num_prefix_tokens": PREFIX, "summary": summarise(rows), "rows": rows,
+               "atomic_dq": atomic_rows, "atomic_dq_summary": summarise_atomic_dq(rows, atomic_rows)}
     md, js = write_report(args.out_dir, STEM, payload, markdown(payload), smoke=args.smoke)
     print(f"wrote {md} and {js}")
     return payload

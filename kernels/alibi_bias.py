@@ -18,7 +18,8 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["METRICS", "alibi_bias", "bias_lookup", "check_grid", "check_metric", "max_distance", "patch_distances"]
+__all__ = ["METRICS", "alibi_bias", "bias_lookup", "check_grid", "check_metric", "device_bias_lookup", "max_distance",
+           "patch_distances"]
 
 METRICS = ("euclidean", "manhattan")
 
@@ -150,6 +151,19 @@ def bias_lookup(grid_size, num_prefix_tokens: int, *, wrap: bool = True, normali
     codes[0, prefix:], codes[1, prefix:] = row, col
     # q_pad/k_pad are unused: the kernel treats row -1 as a prefix token.
     return codes, torch.zeros(1, dtype=torch.float64), 0, 0, float(norm)
+
+
+@lru_cache(maxsize=64)
+def device_bias_lookup(h: int, w: int, prefix: int, wrap: bool, normalize: bool, table: bool, device: torch.device,
+                       metric: str = "euclidean"):
+    """:func:`bias_lookup` in the fused kernel's types on ``device``, built once per grid and options:
+    (codes int32 (2, N), table fp32, q_pad, k_pad, bias_norm)."""
+    codes, values, q_pad, k_pad, bias_norm = bias_lookup((h, w), prefix, wrap=wrap, normalize=normalize, table=table,
+                                                         metric=metric)
+    if codes.abs().max() >= 2**31 or values.numel() >= 2**31:
+        raise ValueError(f"grid {h}x{w} is too large for int32 bias codes")
+    return (codes.to(device=device, dtype=torch.int32), values.to(device=device, dtype=torch.float32),
+            q_pad, k_pad, bias_norm)
 
 
 @lru_cache(maxsize=16)

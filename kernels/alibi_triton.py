@@ -16,7 +16,10 @@ The forward is FlashAttention-2: one program owns ``BLOCK_M`` query rows, stream
 ``BLOCK_N``-wide key/value tiles, and keeps a running row max ``m``, row sum ``l`` and fp32
 output accumulator. Logits live in base 2: the softmax scale is pre-multiplied by log2(e) and
 the slope likewise, so each element costs one ``exp2``. The program writes ``O`` and the row
-logsumexp (base 2), the only statistic the backward needs. Nothing N×N is ever stored.
+logsumexp (base 2), the only statistic the backward needs. Nothing N×N is ever stored. Full key
+tiles run without element masks; the last, partial one is masked, and when it holds at most
+``TAIL_N`` = 16 keys (N = 5 + 16·16 = 261 at 224 px leaves 5) it runs as a 16-wide tile instead of
+a mostly empty ``BLOCK_N``-wide one (forward and dQ kernels).
 
 The bias is derived per tile, never materialised. Two interchangeable ways (``bias_mode``):
 
@@ -36,14 +39,15 @@ The bias is derived per tile, never materialised. Two interchangeable ways (``bi
   is the same for all heads: forward and dQ programs then compute two heads (``HEAD_PAIR``) and
   each gathered value serves both (16-bit inputs, head_dim <= 64, even head counts).
 * ``"sqrt"``: rows and columns per token, then ``|Δ|``, wrap, ``sqrt`` per element. No
-  gathered loads, but ~12 ALU ops and a second MUFU op per element. Kept as a switch
-  (environment ``ALIBI_TRITON_BIAS=sqrt`` or ``bias_mode="sqrt"``) because which one wins is
-  a GPU measurement (``benchmarks/bench_attention.py`` times both).
+  gathered loads, but ~12 ALU ops and a second MUFU op per element. A reference only, never
+  the default (``ALIBI_TRITON_BIAS=sqrt`` or ``bias_mode="sqrt"``): compiled for sm_90 it issues
+  about 3× the bias-free instructions per score (``benchmarks/bench_kernel_sass.py --bias-mode sqrt``).
 
 Codes / rows / columns per token are precomputed once per grid as an int32 (2, N) array, so
 the kernels do no integer division in their inner loops.
 
-Backward (non-causal, no atomics, so bitwise deterministic for a given block configuration):
+Backward (non-causal; by default without atomics, so bitwise deterministic for a given block
+configuration):
 
 1. ``Δ_i = Σ_d O_id·dO_id`` (preprocess kernel).
 2. dK/dV kernel: a program keeps one ``BLOCK_N`` tile of K and V resident and loops over all
@@ -53,6 +57,12 @@ Backward (non-causal, no atomics, so bitwise deterministic for a given block con
    to ``dL/dm_h = Σ_ij dS_ij·B_ij``.
 3. dQ kernel: a program keeps one query tile and loops over key tiles: ``dQ += dS K · scale``.
    Skipped entirely when q needs no gradient.
+
+Opt-in atomic dQ (``ALIBI_TRITON_ATOMIC_DQ=1``; ignored under
+``torch.use_deterministic_algorithms(True)``): the dK/dV kernel also forms each tile's ``dS K`` and
+adds it into an fp32 dQ buffer with atomic adds, and step 3 is skipped — five matmuls per tile pair
+instead of seven, no second pass over QKᵀ, exp and the bias, at the price of an fp32 (B, heads, N, D)
+buffer and a summation order (so dQ's last bits) that varies from run to run.
 
 Static cost (``benchmarks/bench_kernel_sass.py``): every kernel has a constexpr ``HAS_BIAS``
 (default True) that compiles the bias out; the benchmark compiles both for sm_90 without a GPU
@@ -67,12 +77,13 @@ O(heads·h·w) tables — all O(N). Inputs may have any strides (e.g. q, k, v as
 qkv projection); ``O`` and the gradients are written in (B, N, heads, D) memory order, so a
 following ``transpose(1, 2).reshape(B, N, heads·D)`` is free.
 
-Determinism and autotuning: every kernel writes its outputs exactly once (no atomics, no
-split reductions), so repeated calls in one process are bitwise identical. With autotuning on
+Determinism and autotuning: by default every kernel writes its outputs exactly once (no atomics,
+no split reductions), so repeated calls in one process are bitwise identical. With autotuning on
 (the default on GPU) the chosen block sizes can differ between processes or machines, and
 with them the summation order; ``ALIBI_TRITON_AUTOTUNE=0`` pins one configuration per
-head_dim for bitwise reproducibility across runs. Under ``TRITON_INTERPRET=1`` a single small
-configuration is used so CPU tests stay fast.
+head_dim for bitwise reproducibility across runs. Tuning is keyed by the power-of-two bucket of N
+(:func:`n_bucket`), not N itself, and its results are cached on disk across processes. Under
+``TRITON_INTERPRET=1`` a single small configuration is used so CPU tests stay fast.
 
 The op is registered with ``torch.library`` (``alibi_vit::alibi_attention_fwd`` and
 ``alibi_vit::alibi_attention_bwd`` with fake implementations and an autograd formula), so
@@ -82,27 +93,31 @@ The op is registered with ``torch.library`` (``alibi_vit::alibi_attention_fwd`` 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
-from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
-from .alibi_bias import bias_lookup, check_grid, check_metric
+from .alibi_bias import check_grid, check_metric, device_bias_lookup
 
-__all__ = ["BIAS_MODES", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "triton_alibi_attention"]
+__all__ = ["BIAS_MODES", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "atomic_dq", "atomic_dq_enabled",
+           "triton_alibi_attention"]
 
 LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BIAS_MODES = ("table", "sqrt")
+# Width of the narrow key tile that replaces a mostly empty last tile (the smallest tl.dot operand).
+TAIL_N = tl.constexpr(16)
 # Grid axes 1 and 2 (heads, batch) are limited to 65535 programs by CUDA.
 _MAX_GRID_YZ = 65535
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _AUTOTUNE = os.environ.get("ALIBI_TRITON_AUTOTUNE", "1") != "0"
+_ATOMIC_DQ = os.environ.get("ALIBI_TRITON_ATOMIC_DQ", "0") == "1"
 DEFAULT_BIAS_MODE = os.environ.get("ALIBI_TRITON_BIAS", "table")
 if DEFAULT_BIAS_MODE not in BIAS_MODES:
     raise ValueError(f"ALIBI_TRITON_BIAS must be one of {BIAS_MODES}, got {DEFAULT_BIAS_MODE!r}")
@@ -122,39 +137,50 @@ def _cfg(block_m, block_n, warps, stages):
 # and BLOCK_M the resident query tile of the dQ kernel. Registers, spills and instructions per
 # score of every entry are measured by benchmarks/bench_kernel_sass.py (sm_90, triton 3.9;
 # benchmarks/results/kernel_sass_sm90.md), which chose the first entries. Table mode, 16-bit:
-# no spills at head_dim <= 64 (head pairs included); at 128 the first forward and dK/dV configs
-# spill 48 and 8 bytes, none of them reloaded inside the main loop (as every 64-wide key tile
-# there spills: narrower tiles cost more instructions per score).
-# A 128x128 tile spills heavily in table mode. fp32 inputs with exact ("ieee") products use no
-# tensor cores and far more registers: small tiles only, and even those spill; fp32 is a
+# no spills at head_dim <= 64 (head pairs and atomic dQ included); at 128 the first forward, dK/dV
+# and dQ configs spill 112, 8 and 16 bytes, none of them reloaded inside the main loop (every
+# 64-wide key tile there spills: narrower tiles cost more instructions per score), while the
+# atomic-dQ dK/dV kernel at 128 spills inside its loop. A 128x128 tile spills heavily in table
+# mode. The sqrt mode is a reference: two configs each. fp32 inputs with exact ("ieee") products
+# use no tensor cores and far more registers: small tiles only, and even those spill; fp32 is a
 # correctness path.
 _FWD_CONFIGS = {
     ("small", "table"): [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 2), _cfg(128, 64, 8, 4)],
-    ("small", "sqrt"): [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 128, 8, 2), _cfg(64, 64, 4, 2),
-                        _cfg(128, 64, 8, 4)],
+    ("small", "sqrt"): [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
     ("large", "table"): [_cfg(64, 64, 4, 2), _cfg(64, 64, 4, 3)],
-    ("large", "sqrt"): [_cfg(64, 64, 4, 3), _cfg(64, 64, 4, 2), _cfg(128, 64, 8, 3)],
+    ("large", "sqrt"): [_cfg(64, 64, 4, 3), _cfg(64, 64, 4, 2)],
     "fp32": [_cfg(32, 32, 4, 2), _cfg(64, 32, 4, 2)],
 }
 _DKDV_CONFIGS = {
     ("small", "table"): [_cfg(64, 128, 8, 2), _cfg(64, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3)],
-    ("small", "sqrt"): [_cfg(64, 128, 8, 2), _cfg(64, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3)],
+    ("small", "sqrt"): [_cfg(64, 128, 8, 2), _cfg(64, 64, 8, 2)],
     ("large", "table"): [_cfg(32, 64, 4, 3), _cfg(64, 64, 8, 2)],
     ("large", "sqrt"): [_cfg(64, 64, 8, 2), _cfg(32, 64, 4, 3)],
     "fp32": [_cfg(32, 32, 4, 2), _cfg(32, 64, 4, 2)],
 }
 _DQ_CONFIGS = {
     ("small", "table"): [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 2), _cfg(64, 64, 8, 2), _cfg(64, 32, 4, 3)],
-    ("small", "sqrt"): [_cfg(128, 64, 8, 2), _cfg(64, 64, 8, 2), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3),
-                        _cfg(64, 32, 4, 3), _cfg(128, 128, 8, 2)],
+    ("small", "sqrt"): [_cfg(128, 64, 8, 2), _cfg(64, 64, 8, 2)],
     ("large", "table"): [_cfg(128, 64, 8, 2), _cfg(64, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3)],
-    ("large", "sqrt"): [_cfg(64, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3), _cfg(128, 64, 8, 2)],
+    ("large", "sqrt"): [_cfg(64, 64, 8, 2), _cfg(64, 64, 4, 3)],
     "fp32": [_cfg(32, 32, 4, 2), _cfg(64, 32, 4, 2)],
 }
 _CONFIGS = {"fwd": _FWD_CONFIGS, "dkdv": _DKDV_CONFIGS, "dq": _DQ_CONFIGS}
 # The interpreter runs programs one by one on the CPU: small, unequal tiles keep tests fast and
 # still exercise several blocks, partial tail blocks and BLOCK_M != BLOCK_N.
 _INTERPRET_CONFIGS = {"fwd": [_cfg(16, 32, 4, 1)], "dkdv": [_cfg(32, 16, 4, 1)], "dq": [_cfg(16, 32, 4, 1)]}
+
+
+def n_bucket(n):
+    """The autotuning key's stand-in for the token count: the next power of two. Best tiles change
+    with the number of tiles per head, not with every N, so one tuning serves a bucket of N (and
+    a change of image size within it retunes nothing)."""
+    return triton.next_power_of_2(n)
+
+
+# Tuning results are cached on disk (Triton's cache directory, keyed by kernel source, GPU, the
+# tuning key and the configs), so a new process with the same bucket does not retune.
+_CACHE_RESULTS = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
 def _config_key(cfg):
@@ -186,16 +212,17 @@ def _gpu_autotune(kind, extra_key=()):
         offered = [by_key[_config_key(c)] for c in wanted if _config_key(c) in by_key] or list(configs)
         return offered if _AUTOTUNE else offered[:1]
 
-    # Configs that still exceed a device's resources are skipped by the autotuner itself.
-    return triton.autotune(configs=list(unique.values()),
-                           key=["N", "HEAD_DIM", "TABLE", "WRAP", "COMPUTE_DSLOPE", "DOT_PREC", *extra_key],
-                           prune_configs_by={"early_config_prune": prune})
+    # Configs that still exceed a device's resources are skipped by the autotuner itself. Benchmark runs
+    # of the dK/dV kernel add into the atomic-dQ buffer: each starts from zeros.
+    return triton.autotune(configs=list(unique.values()), reset_to_zero=["DQ"] if kind == "dkdv" else None,
+                           key=["N_BUCKET", "HEAD_DIM", "TABLE", "WRAP", "COMPUTE_DSLOPE", "DOT_PREC", *extra_key],
+                           prune_configs_by={"early_config_prune": prune}, **_CACHE_RESULTS)
 
 
 def _autotune(kind):
     if _INTERPRET:
-        return triton.autotune(configs=_INTERPRET_CONFIGS[kind], key=["N", "HEAD_DIM"])
-    return _gpu_autotune(kind, ("HEAD_PAIR",) if kind in ("fwd", "dq") else ())
+        return triton.autotune(configs=_INTERPRET_CONFIGS[kind], key=["N_BUCKET", "HEAD_DIM"])
+    return _gpu_autotune(kind, ("HEAD_PAIR",) if kind in ("fwd", "dq") else ("ATOMIC_DQ",))
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,30 +309,44 @@ def _row_bias(qa, qb, start_n, Codes, Tbl, N, h, w, k_pad, b_scale,
 
 
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, bias, qa, qb, start_n, K, V, Codes, Tbl,
-              stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
-              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-              TABLE: tl.constexpr, WRAP: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr):
-    """One key tile of one head. GATHER: derive the bias tile here, after the QK product (so it is not
-    live across it), and return it; otherwise use ``bias`` (the first head's, in a head pair)."""
+def _key_tile_logits(q, bias, qa, qb, start_n, K, Codes, Tbl, stride_kn, stride_kd, N, h, w, k_pad, qk_scale, b_scale,
+                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+                     TABLE: tl.constexpr, WRAP: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr):
+    """The block both the forward and the dQ kernel run per key tile: load Kᵀ, form the base-2 logits
+    ``s = q·kᵀ·scale + bias`` of the resident query rows, -inf for keys past N. GATHER: derive the bias
+    tile here, after the QK product (so it is not live across it), and return it; otherwise use ``bias``
+    (the first head's, in a head pair). Returns (kᵀ, s, bias)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     kt_ptrs = K + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn
-    v_ptrs = V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
     if MASK_N:
-        mask_n = offs_n < N
-        kt = tl.load(kt_ptrs, mask=mask_n[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
+        kt = tl.load(kt_ptrs, mask=(offs_n < N)[None, :], other=0.0)
     else:
         kt = tl.load(kt_ptrs)
-        v = tl.load(v_ptrs)
     qk = tl.dot(q, kt, input_precision=DOT_PREC)
     if GATHER:
         bias = _row_bias(qa, qb, start_n, Codes, Tbl, N, h, w, k_pad, b_scale, BLOCK_N, TABLE, WRAP, HAS_BIAS)
     s = qk * qk_scale + bias
     if MASK_N:
         # Keys past N must not enter the softmax (their loaded values are zeros, not -inf).
-        s = tl.where(mask_n[None, :], s, float("-inf"))
+        s = tl.where((offs_n < N)[None, :], s, float("-inf"))
+    return kt, s, bias
+
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, bias, qa, qb, start_n, K, V, Codes, Tbl,
+              stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+              TABLE: tl.constexpr, WRAP: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr):
+    """One key tile of one head: the online-softmax update; GATHER as in _key_tile_logits."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    v_ptrs = V + offs_n[:, None] * stride_vn + tl.arange(0, HEAD_DIM)[None, :] * stride_vd
+    if MASK_N:
+        v = tl.load(v_ptrs, mask=(offs_n < N)[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    _, s, bias = _key_tile_logits(q, bias, qa, qb, start_n, K, Codes, Tbl, stride_kn, stride_kd, N, h, w, k_pad,
+                                  qk_scale, b_scale, HEAD_DIM, BLOCK_N, MASK_N, DOT_PREC, TABLE, WRAP, HAS_BIAS, GATHER)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -316,6 +357,22 @@ def _fwd_tile(acc, l_i, m_i, q, bias, qa, qb, start_n, K, V, Codes, Tbl,
 
 
 @triton.jit
+def _fwd_step(acc, l_i, m_i, acc2, l2, m2, q, q2, qa, qb, start_n, K, V, Codes, Tbl, stride_kh, stride_kn, stride_kd,
+              stride_vh, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+              TABLE: tl.constexpr, WRAP: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_PAIR: tl.constexpr):
+    """One key tile of the program's head, and of its pair's second head with the same bias tile."""
+    acc, l_i, m_i, bias = _fwd_tile(acc, l_i, m_i, q, 0.0, qa, qb, start_n, K, V, Codes, Tbl,
+                                    stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+                                    HEAD_DIM, BLOCK_N, MASK_N, DOT_PREC, TABLE, WRAP, HAS_BIAS, True)
+    if HEAD_PAIR:
+        acc2, l2, m2, _ = _fwd_tile(acc2, l2, m2, q2, bias, qa, qb, start_n, K + stride_kh, V + stride_vh, Codes, Tbl,
+                                    stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+                                    HEAD_DIM, BLOCK_N, MASK_N, DOT_PREC, TABLE, WRAP, HAS_BIAS, False)
+    return acc, l_i, m_i, acc2, l2, m2
+
+
+@triton.jit
 def _fwd_store(acc, l_i, m_i, O, LSE, offs_m, offs_d, mask_m, stride_on, stride_od):
     out = acc * (1.0 / l_i)[:, None]
     tl.store(O + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
@@ -323,13 +380,13 @@ def _fwd_store(acc, l_i, m_i, O, LSE, offs_m, offs_d, mask_m, stride_on, stride_
     tl.store(LSE + offs_m, m_i + tl.log2(l_i), mask=mask_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_BUCKET"])
 def _alibi_fwd_kernel(Q, K, V, O, LSE, Slopes, Codes, Tbl,
                       stride_qb, stride_qh, stride_qn, stride_qd,
                       stride_kb, stride_kh, stride_kn, stride_kd,
                       stride_vb, stride_vh, stride_vn, stride_vd,
                       stride_ob, stride_oh, stride_on, stride_od,
-                      H, N, h, w, q_pad, k_pad, tbl_stride, qk_scale, bias_scale,
+                      H, N, N_BUCKET, h, w, q_pad, k_pad, tbl_stride, qk_scale, bias_scale,
                       HEAD_DIM: tl.constexpr, TABLE: tl.constexpr, WRAP: tl.constexpr,
                       COMPUTE_DSLOPE: tl.constexpr, DOT_PREC: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr = True,
@@ -361,29 +418,32 @@ def _alibi_fwd_kernel(Q, K, V, O, LSE, Slopes, Codes, Tbl,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # The pair's second head (scalar placeholders without HEAD_PAIR).
+    q2, m2, l2, acc2 = 0.0, 0.0, 0.0, 0.0
     if HEAD_PAIR:
         q2 = tl.load(Q + stride_qh + q_off, mask=mask_m[:, None], other=0.0)
         m2 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l2 = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    # Full key tiles need no per-element mask; only the last partial tile pays for one.
+    # Full key tiles need no per-element mask; only the last partial tile pays for one, and a short
+    # one (at most TAIL_N keys, e.g. N = 5 + 16·16) runs as a narrow tile instead of a mostly empty one.
     n_full = (N // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
-        acc, l_i, m_i, bias = _fwd_tile(acc, l_i, m_i, q, 0.0, qa, qb, start_n, K, V, Codes, Tbl,
-                                        stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
-                                        HEAD_DIM, BLOCK_N, False, DOT_PREC, TABLE, WRAP, HAS_BIAS, True)
-        if HEAD_PAIR:
-            acc2, l2, m2, _ = _fwd_tile(acc2, l2, m2, q2, bias, qa, qb, start_n, K + stride_kh, V + stride_vh, Codes,
-                                        Tbl, stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale,
-                                        b_scale, HEAD_DIM, BLOCK_N, False, DOT_PREC, TABLE, WRAP, HAS_BIAS, False)
-    if n_full < N:
-        acc, l_i, m_i, bias = _fwd_tile(acc, l_i, m_i, q, 0.0, qa, qb, n_full, K, V, Codes, Tbl,
-                                        stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
-                                        HEAD_DIM, BLOCK_N, True, DOT_PREC, TABLE, WRAP, HAS_BIAS, True)
-        if HEAD_PAIR:
-            acc2, l2, m2, _ = _fwd_tile(acc2, l2, m2, q2, bias, qa, qb, n_full, K + stride_kh, V + stride_vh, Codes,
-                                        Tbl, stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale,
-                                        b_scale, HEAD_DIM, BLOCK_N, True, DOT_PREC, TABLE, WRAP, HAS_BIAS, False)
+        acc, l_i, m_i, acc2, l2, m2 = _fwd_step(
+            acc, l_i, m_i, acc2, l2, m2, q, q2, qa, qb, start_n, K, V, Codes, Tbl, stride_kh, stride_kn, stride_kd,
+            stride_vh, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale, HEAD_DIM, BLOCK_N, False, DOT_PREC,
+            TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
+    if N - n_full <= TAIL_N:
+        if n_full < N:
+            acc, l_i, m_i, acc2, l2, m2 = _fwd_step(
+                acc, l_i, m_i, acc2, l2, m2, q, q2, qa, qb, n_full, K, V, Codes, Tbl, stride_kh, stride_kn, stride_kd,
+                stride_vh, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale, HEAD_DIM, TAIL_N, True, DOT_PREC,
+                TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
+    else:
+        acc, l_i, m_i, acc2, l2, m2 = _fwd_step(
+            acc, l_i, m_i, acc2, l2, m2, q, q2, qa, qb, n_full, K, V, Codes, Tbl, stride_kh, stride_kn, stride_kd,
+            stride_vh, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale, HEAD_DIM, BLOCK_N, True, DOT_PREC,
+            TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
     _fwd_store(acc, l_i, m_i, O, LSE, offs_m, offs_d, mask_m, stride_on, stride_od)
     if HEAD_PAIR:
         _fwd_store(acc2, l2, m2, O + stride_oh, LSE + N, offs_m, offs_d, mask_m, stride_on, stride_od)
@@ -413,12 +473,12 @@ def _bwd_preprocess_kernel(O, DO, Delta,
 
 
 @triton.jit
-def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, LSE, Delta, Codes, Tbl,
-               stride_qn, stride_qd, stride_don, stride_dod,
+def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Codes, Tbl,
+               stride_qn, stride_qd, stride_don, stride_dod, stride_gn, stride_gd,
                N, h, w, q_pad, qk_scale, b_scale,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK_N: tl.constexpr,
                TABLE: tl.constexpr, WRAP: tl.constexpr, COMPUTE_DSLOPE: tl.constexpr,
-               DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr):
+               DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(0, N, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -444,6 +504,10 @@ def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, LSE, Delta, Codes, 
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         dst = pt * (dpt - delta[None, :])
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), acc=dk, input_precision=DOT_PREC)
+        if ATOMIC_DQ:  # this key tile's share of dQ (unscaled), added into the fp32 buffer in any order
+            dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=DOT_PREC)
+            tl.atomic_add(DQ + offs_m[:, None] * stride_gn + offs_d[None, :] * stride_gd, dq, mask=mask_m[:, None],
+                          sem="relaxed")
         if COMPUTE_DSLOPE and HAS_BIAS:
             if TABLE:  # dL/dm needs B itself: gather it from the unscaled table
                 bias_t = _bias_tile(qa, qb, ku, kb, Tbl, h, w, TABLE, WRAP, True)
@@ -451,17 +515,20 @@ def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, LSE, Delta, Codes, 
     return dk, dv, dsl
 
 
-@triton.jit
-def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, Delta, DSL, Slopes, Codes, Tbl, TblU,
+@triton.jit(do_not_specialize=["N_BUCKET"])
+def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, LSE, Delta, DSL, Slopes, Codes, Tbl, TblU,
                            stride_qb, stride_qh, stride_qn, stride_qd,
                            stride_kb, stride_kh, stride_kn, stride_kd,
                            stride_vb, stride_vh, stride_vn, stride_vd,
                            stride_dob, stride_doh, stride_don, stride_dod,
                            stride_gb, stride_gh, stride_gn, stride_gd,
-                           H, N, h, w, q_pad, k_pad, tbl_stride, qk_scale, sm_scale, bias_scale, bias_norm,
+                           H, N, N_BUCKET, h, w, q_pad, k_pad, tbl_stride, qk_scale, sm_scale, bias_scale, bias_norm,
                            HEAD_DIM: tl.constexpr, TABLE: tl.constexpr, WRAP: tl.constexpr,
                            COMPUTE_DSLOPE: tl.constexpr, DOT_PREC: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr = True):
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr = True,
+                           ATOMIC_DQ: tl.constexpr = False):
+    # ATOMIC_DQ: also accumulate dS·K into the fp32 buffer DQ with atomic adds (opt-in; the dQ kernel
+    # is then skipped, and the summation order, so the result's last bits, varies from run to run).
     pid_n = tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2).to(tl.int64)
@@ -471,6 +538,7 @@ def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, Delta, DSL, Slopes, Codes, 
     DO += off_b * stride_dob + off_h.to(tl.int64) * stride_doh
     DK += off_b * stride_gb + off_h.to(tl.int64) * stride_gh
     DV += off_b * stride_gb + off_h.to(tl.int64) * stride_gh
+    DQ += off_b * stride_gb + off_h.to(tl.int64) * stride_gh
     row = (off_b * H + off_h) * N
     LSE += row
     Delta += row
@@ -493,13 +561,15 @@ def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, Delta, DSL, Slopes, Codes, 
     dsl = tl.zeros([BLOCK_N], dtype=tl.float32)
     # Only the program holding the last, partial key tile needs the per-element key mask.
     if pid_n * BLOCK_N + BLOCK_N <= N:
-        dk, dv, dsl = _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, LSE, Delta, Codes, Tbl,
-                                 stride_qn, stride_qd, stride_don, stride_dod, N, h, w, q_pad, qk_scale, b_scale,
-                                 HEAD_DIM, BLOCK_M, False, TABLE, WRAP, COMPUTE_DSLOPE, DOT_PREC, HAS_BIAS)
+        dk, dv, dsl = _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Codes, Tbl,
+                                 stride_qn, stride_qd, stride_don, stride_dod, stride_gn, stride_gd, N, h, w, q_pad,
+                                 qk_scale, b_scale, HEAD_DIM, BLOCK_M, False, TABLE, WRAP, COMPUTE_DSLOPE, DOT_PREC,
+                                 HAS_BIAS, ATOMIC_DQ)
     else:
-        dk, dv, dsl = _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, LSE, Delta, Codes, Tbl,
-                                 stride_qn, stride_qd, stride_don, stride_dod, N, h, w, q_pad, qk_scale, b_scale,
-                                 HEAD_DIM, BLOCK_M, True, TABLE, WRAP, COMPUTE_DSLOPE, DOT_PREC, HAS_BIAS)
+        dk, dv, dsl = _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Codes, Tbl,
+                                 stride_qn, stride_qd, stride_don, stride_dod, stride_gn, stride_gd, N, h, w, q_pad,
+                                 qk_scale, b_scale, HEAD_DIM, BLOCK_M, True, TABLE, WRAP, COMPUTE_DSLOPE, DOT_PREC,
+                                 HAS_BIAS, ATOMIC_DQ)
     g_off = offs_n[:, None] * stride_gn + offs_d[None, :] * stride_gd
     tl.store(DK + g_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=mask_n[:, None])
     tl.store(DV + g_off, dv.to(DV.dtype.element_ty), mask=mask_n[:, None])
@@ -513,28 +583,37 @@ def _dq_tile(dq, q, do, lse, delta, bias, qa, qb, start_n, K, V, Codes, Tbl,
              stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, DOT_PREC: tl.constexpr,
              TABLE: tl.constexpr, WRAP: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr):
-    """One key tile of one head's dQ; GATHER as in _fwd_tile."""
+    """One key tile of one head's dQ; GATHER as in _key_tile_logits."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    kt_ptrs = K + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn
-    vt_ptrs = V + offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vn
+    vt_ptrs = V + tl.arange(0, HEAD_DIM)[:, None] * stride_vd + offs_n[None, :] * stride_vn
     if MASK_N:
-        mask_n = offs_n < N
-        kt = tl.load(kt_ptrs, mask=mask_n[None, :], other=0.0)
-        vt = tl.load(vt_ptrs, mask=mask_n[None, :], other=0.0)
+        vt = tl.load(vt_ptrs, mask=(offs_n < N)[None, :], other=0.0)
     else:
-        kt = tl.load(kt_ptrs)
         vt = tl.load(vt_ptrs)
-    qk = tl.dot(q, kt, input_precision=DOT_PREC)
-    if GATHER:
-        bias = _row_bias(qa, qb, start_n, Codes, Tbl, N, h, w, k_pad, b_scale, BLOCK_N, TABLE, WRAP, HAS_BIAS)
-    p = tl.exp2(qk * qk_scale + bias - lse[:, None])
-    if MASK_N:
-        p = tl.where(mask_n[None, :], p, 0.0)
+    kt, s, bias = _key_tile_logits(q, bias, qa, qb, start_n, K, Codes, Tbl, stride_kn, stride_kd, N, h, w, k_pad,
+                                   qk_scale, b_scale, HEAD_DIM, BLOCK_N, MASK_N, DOT_PREC, TABLE, WRAP, HAS_BIAS,
+                                   GATHER)
+    p = tl.exp2(s - lse[:, None])  # 0 for masked keys (s = -inf)
     dp = tl.dot(do, vt, input_precision=DOT_PREC)
     ds = p * (dp - delta[:, None])
     dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), acc=dq, input_precision=DOT_PREC)
     return dq, bias
+
+
+@triton.jit
+def _dq_step(dq, dq2, q, do, lse, delta, q2, do2, lse2, delta2, qa, qb, start_n, K, V, Codes, Tbl,
+             stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+             TABLE: tl.constexpr, WRAP: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_PAIR: tl.constexpr):
+    """One key tile of the program's head's dQ, and of its pair's second head with the same bias tile."""
+    dq, bias = _dq_tile(dq, q, do, lse, delta, 0.0, qa, qb, start_n, K, V, Codes, Tbl,
+                        stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+                        HEAD_DIM, BLOCK_N, MASK_N, DOT_PREC, TABLE, WRAP, HAS_BIAS, True)
+    if HEAD_PAIR:
+        dq2, _ = _dq_tile(dq2, q2, do2, lse2, delta2, bias, qa, qb, start_n, K + stride_kh, V + stride_vh, Codes, Tbl,
+                          stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+                          HEAD_DIM, BLOCK_N, MASK_N, DOT_PREC, TABLE, WRAP, HAS_BIAS, False)
+    return dq, dq2
 
 
 @triton.jit
@@ -547,14 +626,14 @@ def _dq_head(Q, DO, LSE, Delta, offs_m, offs_d, mask_m, stride_qn, stride_qd, st
     return q, do, lse, delta
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_BUCKET"])
 def _alibi_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta, Slopes, Codes, Tbl,
                          stride_qb, stride_qh, stride_qn, stride_qd,
                          stride_kb, stride_kh, stride_kn, stride_kd,
                          stride_vb, stride_vh, stride_vn, stride_vd,
                          stride_dob, stride_doh, stride_don, stride_dod,
                          stride_gb, stride_gh, stride_gn, stride_gd,
-                         H, N, h, w, q_pad, k_pad, tbl_stride, qk_scale, sm_scale, bias_scale,
+                         H, N, N_BUCKET, h, w, q_pad, k_pad, tbl_stride, qk_scale, sm_scale, bias_scale,
                          HEAD_DIM: tl.constexpr, TABLE: tl.constexpr, WRAP: tl.constexpr,
                          COMPUTE_DSLOPE: tl.constexpr, DOT_PREC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr = True,
@@ -583,27 +662,26 @@ def _alibi_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta, Slopes, Codes, Tbl,
         qa = Tbl + off_h * tbl_stride + qa
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    q2, do2, lse2, delta2, dq2 = 0.0, 0.0, 0.0, 0.0, 0.0  # the pair's second head (placeholders without HEAD_PAIR)
     if HEAD_PAIR:
         q2, do2, lse2, delta2 = _dq_head(Q + stride_qh, DO + stride_doh, LSE + row + N, Delta + row + N, offs_m,
                                          offs_d, mask_m, stride_qn, stride_qd, stride_don, stride_dod)
         dq2 = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # Key tiles as in the forward: full ones unmasked, then a wide or a narrow masked tail.
     n_full = (N // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
-        dq, bias = _dq_tile(dq, q, do, lse, delta, 0.0, qa, qb, start_n, K, V, Codes, Tbl,
-                            stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
-                            HEAD_DIM, BLOCK_N, False, DOT_PREC, TABLE, WRAP, HAS_BIAS, True)
-        if HEAD_PAIR:
-            dq2, _ = _dq_tile(dq2, q2, do2, lse2, delta2, bias, qa, qb, start_n, K + stride_kh, V + stride_vh, Codes,
-                              Tbl, stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
-                              HEAD_DIM, BLOCK_N, False, DOT_PREC, TABLE, WRAP, HAS_BIAS, False)
-    if n_full < N:
-        dq, bias = _dq_tile(dq, q, do, lse, delta, 0.0, qa, qb, n_full, K, V, Codes, Tbl,
-                            stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
-                            HEAD_DIM, BLOCK_N, True, DOT_PREC, TABLE, WRAP, HAS_BIAS, True)
-        if HEAD_PAIR:
-            dq2, _ = _dq_tile(dq2, q2, do2, lse2, delta2, bias, qa, qb, n_full, K + stride_kh, V + stride_vh, Codes,
-                              Tbl, stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
-                              HEAD_DIM, BLOCK_N, True, DOT_PREC, TABLE, WRAP, HAS_BIAS, False)
+        dq, dq2 = _dq_step(dq, dq2, q, do, lse, delta, q2, do2, lse2, delta2, qa, qb, start_n, K, V, Codes, Tbl,
+                           stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd, N, h, w, k_pad, qk_scale,
+                           b_scale, HEAD_DIM, BLOCK_N, False, DOT_PREC, TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
+    if N - n_full <= TAIL_N:
+        if n_full < N:
+            dq, dq2 = _dq_step(dq, dq2, q, do, lse, delta, q2, do2, lse2, delta2, qa, qb, n_full, K, V, Codes, Tbl,
+                               stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd, N, h, w, k_pad,
+                               qk_scale, b_scale, HEAD_DIM, TAIL_N, True, DOT_PREC, TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
+    else:
+        dq, dq2 = _dq_step(dq, dq2, q, do, lse, delta, q2, do2, lse2, delta2, qa, qb, n_full, K, V, Codes, Tbl,
+                           stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd, N, h, w, k_pad, qk_scale,
+                           b_scale, HEAD_DIM, BLOCK_N, True, DOT_PREC, TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
     g_off = offs_m[:, None] * stride_gn + offs_d[None, :] * stride_gd
     tl.store(DQ + g_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=mask_m[:, None])
     if HEAD_PAIR:
@@ -621,21 +699,8 @@ _LAUNCH_OPTIONS = {"enable_fp_fusion": True}
 
 
 # --------------------------------------------------------------------------------------------
-# Host side: geometry tables, launches
+# Host side: launches
 # --------------------------------------------------------------------------------------------
-
-@lru_cache(maxsize=64)
-def _geometry(h: int, w: int, prefix: int, wrap: bool, normalize: bool, table: bool, device: torch.device,
-              metric: str = "euclidean"):
-    """:func:`kernels.alibi_bias.bias_lookup` on ``device``, built once per grid and options:
-    (codes int32 (2, N), table fp32, q_pad, k_pad, bias_norm)."""
-    codes, tbl, q_pad, k_pad, bias_norm = bias_lookup((h, w), prefix, wrap=wrap, normalize=normalize, table=table,
-                                                      metric=metric)
-    if codes.abs().max() >= 2**31 or tbl.numel() >= 2**31:
-        raise ValueError(f"grid {h}x{w} is too large for int32 bias codes")
-    return (codes.to(device=device, dtype=torch.int32), tbl.to(device=device, dtype=torch.float32),
-            q_pad, k_pad, bias_norm)
-
 
 def _strides(t):
     return tuple(t.stride())
@@ -705,7 +770,8 @@ def _fwd_args(q, k, v, o, lse, slopes, geometry, wrap, use_table):
     (h, w), (codes, tbl, q_pad, k_pad, bias_norm) = geometry
     head_tbl, tbl_stride = _head_tables(tbl, slopes, use_table)
     args = (q, k, v, o, lse, _per_head(slopes, heads), codes, head_tbl, *_strides(q), *_strides(k), *_strides(v),
-            *_strides(o), heads, n, h, w, q_pad, k_pad, tbl_stride, LOG2E / math.sqrt(d), LOG2E * bias_norm)
+            *_strides(o), heads, n, n_bucket(n), h, w, q_pad, k_pad, tbl_stride, LOG2E / math.sqrt(d),
+            LOG2E * bias_norm)
     return args, dict(HEAD_DIM=d, TABLE=use_table, WRAP=wrap, COMPUTE_DSLOPE=False, DOT_PREC=_dot_precision(q.dtype),
                       HEAD_PAIR=head_pair(q, slopes, use_table))
 
@@ -720,8 +786,8 @@ def _bwd_args(do, q, k, v, dq, dk, dv, lse, delta, dsl, slopes, geometry, wrap, 
     pair = head_pair(q, slopes, use_table)
     slopes = _per_head(slopes, heads)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-              heads, n, h, w, q_pad, k_pad, tbl_stride, sm_scale * LOG2E, sm_scale, LOG2E * bias_norm)
-    dkdv = (q, k, v, do, dk, dv, lse, delta, dsl, slopes, codes, head_tbl, tbl, *common, bias_norm)
+              heads, n, n_bucket(n), h, w, q_pad, k_pad, tbl_stride, sm_scale * LOG2E, sm_scale, LOG2E * bias_norm)
+    dkdv = (q, k, v, do, dk, dv, dq, lse, delta, dsl, slopes, codes, head_tbl, tbl, *common, bias_norm)
     dqa = (q, k, v, do, dq, lse, delta, slopes, codes, head_tbl, *common)
     kw = dict(HEAD_DIM=d, TABLE=use_table, WRAP=wrap, DOT_PREC=_dot_precision(q.dtype))
     return dkdv, dqa, kw, pair
@@ -729,7 +795,7 @@ def _bwd_args(do, q, k, v, dq, dk, dv, lse, delta, dsl, slopes, geometry, wrap, 
 
 def _launch_fwd(q, k, v, slopes, h, w, prefix, wrap, normalize, use_table, metric="euclidean"):
     bsz, heads, n, d = q.shape
-    geometry = (h, w), _geometry(h, w, prefix, wrap, normalize, use_table, q.device, metric)
+    geometry = (h, w), device_bias_lookup(h, w, prefix, wrap, normalize, use_table, q.device, metric)
     o = _new_bnhd(q)
     lse = q.new_empty((bsz, heads, n), dtype=torch.float32)
 
@@ -744,19 +810,22 @@ def _launch_fwd(q, k, v, slopes, h, w, prefix, wrap, normalize, use_table, metri
 
 
 def _launch_bwd(do, q, k, v, o, lse, slopes, h, w, prefix, wrap, normalize, use_table, need_dslopes, need_dq,
-                metric="euclidean"):
+                metric="euclidean", atomic_dq=False):
     bsz, heads, n, d = q.shape
-    geometry = (h, w), _geometry(h, w, prefix, wrap, normalize, use_table, q.device, metric)
+    geometry = (h, w), device_bias_lookup(h, w, prefix, wrap, normalize, use_table, q.device, metric)
     _check_tile_offsets("grad_output", do)
     delta = q.new_empty((bsz, heads, n), dtype=torch.float32)
     dq, dk, dv = _new_bnhd(q), _new_bnhd(q), _new_bnhd(q)
     assert dq.stride() == dk.stride() == dv.stride()  # the kernels share one set of gradient strides
     dsl = q.new_empty((bsz, heads, n) if need_dslopes else (1,), dtype=torch.float32)
+    atomic_dq = atomic_dq and need_dq
+    # Atomic dQ: the dK/dV kernel adds into an fp32 buffer of the same layout (so the same strides).
+    dq_acc = _new_bnhd(q, torch.float32).zero_() if atomic_dq else dq
 
     def grid_k(meta):
         return (triton.cdiv(n, meta["BLOCK_N"]), heads, bsz)
 
-    dkdv_args, dq_args, kw, pair = _bwd_args(do, q, k, v, dq, dk, dv, lse, delta, dsl, slopes, geometry, wrap,
+    dkdv_args, dq_args, kw, pair = _bwd_args(do, q, k, v, dq_acc, dk, dv, lse, delta, dsl, slopes, geometry, wrap,
                                              use_table)
 
     def grid_q(meta):
@@ -766,9 +835,12 @@ def _launch_bwd(do, q, k, v, o, lse, slopes, h, w, prefix, wrap, normalize, use_
         _bwd_preprocess_kernel[(triton.cdiv(n, _PREPROCESS_BLOCK_M), heads, bsz)](
             o, do, delta, *_strides(o), *_strides(do), heads, n, HEAD_DIM=d, BLOCK_M=_PREPROCESS_BLOCK_M,
             **_LAUNCH_OPTIONS)
-        _dkdv_kernel[grid_k](*dkdv_args, **kw, COMPUTE_DSLOPE=need_dslopes, **_LAUNCH_OPTIONS)
-        if need_dq:  # frozen queries (or q detached): the dQ kernel, a third of the backward, is skipped
+        _dkdv_kernel[grid_k](*dkdv_args, **kw, COMPUTE_DSLOPE=need_dslopes, ATOMIC_DQ=atomic_dq, **_LAUNCH_OPTIONS)
+        # The dQ kernel, a third of the backward, is skipped for frozen (or detached) queries and with atomic dQ.
+        if need_dq and not atomic_dq:
             _dq_kernel[grid_q](*dq_args, **kw, COMPUTE_DSLOPE=False, HEAD_PAIR=pair, **_LAUNCH_OPTIONS)
+    if atomic_dq:
+        dq.copy_(dq_acc.mul_(1.0 / math.sqrt(d)))
     dslopes = dsl.sum(dim=(0, 2)) if need_dslopes else slopes.new_zeros(slopes.shape)
     return (dq if need_dq else q.new_empty(0)), dk, dv, dslopes
 
@@ -797,19 +869,37 @@ def _(q, k, v, slopes, grid_h, grid_w, num_prefix_tokens, wrap, normalize, use_t
 def alibi_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                         lse: torch.Tensor, slopes: torch.Tensor, grid_h: int, grid_w: int, num_prefix_tokens: int,
                         wrap: bool, normalize: bool, use_table: bool, need_dslopes: bool,
-                        need_dq: bool, metric: str = "euclidean"
+                        need_dq: bool, metric: str = "euclidean", atomic_dq: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dq, dk, dv, dslopes); dslopes is zeros when ``need_dslopes`` is False, dq is empty
-    (0 elements) when ``need_dq`` is False."""
+    (0 elements) when ``need_dq`` is False; ``atomic_dq`` see :func:`atomic_dq_enabled`."""
     return _launch_bwd(do, q, k, v, o, lse, slopes.contiguous(), grid_h, grid_w, num_prefix_tokens, wrap, normalize,
-                       use_table, need_dslopes, need_dq, metric)
+                       use_table, need_dslopes, need_dq, metric, atomic_dq)
 
 
 @alibi_attention_bwd.register_fake
 def _(do, q, k, v, o, lse, slopes, grid_h, grid_w, num_prefix_tokens, wrap, normalize, use_table, need_dslopes,
-      need_dq, metric="euclidean"):
+      need_dq, metric="euclidean", atomic_dq=False):
     dq = _new_bnhd(q) if need_dq else q.new_empty(0)
     return dq, _new_bnhd(q), _new_bnhd(q), slopes.new_empty(slopes.shape)
+
+
+def atomic_dq_enabled():
+    """Whether backward passes accumulate dQ with atomic adds inside the dK/dV kernel instead of running the
+    separate dQ kernel: opt-in with ``ALIBI_TRITON_ATOMIC_DQ=1`` or :func:`atomic_dq`, and never while
+    ``torch.use_deterministic_algorithms(True)`` is on (atomic adds make dQ's last bits vary from run to run)."""
+    return _ATOMIC_DQ and not torch.are_deterministic_algorithms_enabled()
+
+
+@contextlib.contextmanager
+def atomic_dq(enabled: bool = True):
+    """Backward passes run inside the block use atomic dQ (or not), whatever ``ALIBI_TRITON_ATOMIC_DQ`` says."""
+    global _ATOMIC_DQ
+    previous, _ATOMIC_DQ = _ATOMIC_DQ, bool(enabled)
+    try:
+        yield
+    finally:
+        _ATOMIC_DQ = previous
 
 
 def _setup_context(ctx, inputs, output):
@@ -824,11 +914,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse, slopes = ctx.saved_tensors
     need_dq, need_dslopes = bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[3])
-    if ctx.metric == "euclidean":
-        dq, dk, dv, dslopes = alibi_attention_bwd(do, q, k, v, o, lse, slopes, *ctx.geometry, need_dslopes, need_dq)
-    else:
-        dq, dk, dv, dslopes = alibi_attention_bwd(do, q, k, v, o, lse, slopes, *ctx.geometry, need_dslopes, need_dq,
-                                                  ctx.metric)
+    dq, dk, dv, dslopes = alibi_attention_bwd(do, q, k, v, o, lse, slopes, *ctx.geometry, need_dslopes, need_dq,
+                                              ctx.metric, atomic_dq_enabled())
     grads = (dq if need_dq else None), dk, dv, (dslopes if need_dslopes else None)
     return grads + (None,) * (ctx.num_inputs - len(grads))
 

@@ -92,3 +92,20 @@ def test_script_refuses_the_interpreter():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--default-only"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode != 0 and "unset TRITON_INTERPRET" in proc.stderr
+
+
+def test_atomic_dq_summary_compares_with_the_default_two_kernel_backward():
+    def row(kernel, variant, ipe, default=True):
+        return {"kernel": kernel, "variant": variant, "head_dim": 64, "dtype": "bfloat16", "default": default,
+                "instructions_per_element": ipe}
+
+    rows = [row("fwd", "alibi", 0.37), row("fwd", "nobias", 0.31),
+            row("bwd_dkdv", "alibi", 0.5), row("bwd_dq", "alibi", 0.3),
+            row("bwd_dkdv", "nobias", 0.4), row("bwd_dq", "nobias", 0.2),
+            row("bwd_dq", "alibi", 9.9, default=False)]  # not the default config: left out
+    atomic = [dict(row("bwd_dkdv", "alibi", 0.66), atomic_dq=True), dict(row("bwd_dkdv", "nobias", 0.45),
+                                                                         atomic_dq=True)]
+    (entry,) = bench.summarise_atomic_dq(rows, atomic)
+    assert entry["two_kernel_alibi"] == 0.8 and entry["two_kernel_nobias"] == 0.6
+    assert entry["atomic_alibi"] == 0.66 and entry["atomic_nobias"] == 0.45
+    assert entry["atomic_alibi_vs_two_kernel_nobias"] == 1.1

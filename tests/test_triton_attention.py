@@ -5,6 +5,7 @@ set by conftest.py, and here as well in case this file runs alone); shapes stay 
 marked ``gpu`` need a CUDA device (bf16, long sequences, torch.compile).
 """
 
+import inspect
 import math
 import os
 
@@ -16,6 +17,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
+from kernels.alibi_bias import device_bias_lookup  # noqa: E402
 from kernels.attention import alibi_attention, eager_alibi_attention  # noqa: E402
 from kernels.alibi_triton import (  # noqa: E402
     alibi_attention_bwd,
@@ -289,6 +291,37 @@ def test_dq_kernel_is_skipped_when_q_needs_no_gradient(monkeypatch):
         torch.autograd.grad(triton_alibi_attention(q, k, v, grid, prefix, slopes, True, True), (q,), do)
 
 
+@pytest.mark.parametrize("grid,prefix,dtype,slope_kind", [
+    ((6, 7), 5, torch.float32, "learned"),  # N = 47: partial key and query tiles
+    ((4, 4), 0, torch.float16, "none"),
+])
+def test_atomic_dq_matches_reference_without_the_dq_kernel(grid, prefix, dtype, slope_kind, monkeypatch):
+    """Atomic dQ (ALIBI_TRITON_ATOMIC_DQ=1 or the atomic_dq context): dQ comes from the dK/dV kernel's atomic adds (no dQ launch), every gradient
+    is the reference's; torch's deterministic mode turns it off again."""
+    from kernels import alibi_triton as at
+
+    launches = []
+
+    class CountingLaunch:
+        def __getitem__(self, grid_fn):
+            launches.append(grid_fn)
+            return real_dq[grid_fn]
+
+    real_dq = at._dq_kernel
+    monkeypatch.setattr(at, "_dq_kernel", CountingLaunch())
+    before = at.atomic_dq_enabled()
+    with at.atomic_dq():
+        assert at.atomic_dq_enabled()
+        _run_and_compare(grid, prefix, True, True, 32, "table", slope_kind, dtype, bsz=2, heads=2, seed=47)
+        assert launches == []
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+        assert not at.atomic_dq_enabled()
+        _run_and_compare(grid, prefix, True, True, 32, "table", slope_kind, dtype, bsz=1, heads=2, seed=48)
+        assert len(launches) == 1
+    monkeypatch.undo()
+    assert at.atomic_dq_enabled() == before
+
+
 def test_autocast_runs_in_the_autocast_dtype():
     """Like SDPA: fp32 inputs inside torch.autocast give a 16-bit output, fp32 gradients, the reference's values."""
     grid, prefix = (3, 4), 1
@@ -306,35 +339,47 @@ def test_autocast_runs_in_the_autocast_dtype():
         _check(g, r, TOL[torch.float16][1], name)
 
 
-def test_gpu_default_tiles_under_the_interpreter():
+@pytest.mark.parametrize("grid,prefix,dtype,learned", [
+    ((12, 12), 6, torch.float32, True),   # N = 150: wide partial key tiles (22 of 64 keys)
+    ((11, 12), 1, torch.float16, False),  # N = 133: a narrow 16-key tail (5 keys); head pairs
+])
+def test_gpu_default_tiles_under_the_interpreter(grid, prefix, dtype, learned):
     """The GPU's default tiles (64-128 rows/cols, not the interpreter's 16/32) through all three
-    kernels, with learned slopes, against the reference; N = 150 leaves partial tiles for both."""
+    kernels against the reference: learned slopes one head per program (fp32), or one slope for all
+    heads, two heads per forward and dQ program (fp16)."""
     from kernels import alibi_triton as at
 
-    grid, prefix, d, heads = (12, 12), 6, 64, 2
-    q, k, v, do, slopes = _inputs(1, heads, grid, prefix, d, torch.float32, seed=43)
+    d, heads = 64, 2
+    q, k, v, do, slopes = _inputs(1, heads, grid, prefix, d, dtype, seed=43)
+    if not learned:
+        slopes = torch.ones(1, device=DEVICE)  # what slopes=None hands the launch helpers
     n = q.shape[2]
-    geometry = grid, at._geometry(*grid, prefix, True, True, True, q.device)
+    geometry = grid, device_bias_lookup(*grid, prefix, True, True, True, q.device)
     cfg = {kind: at.gpu_launch_configs(kind, d)[0].kwargs for kind in ("fwd", "dkdv", "dq")}
     assert cfg["fwd"]["BLOCK_M"] >= 64 and cfg["dkdv"]["BLOCK_N"] >= 64 and cfg["dq"]["BLOCK_M"] >= 64
     o, lse = at._new_bnhd(q), torch.empty(1, heads, n, device=DEVICE)
     args, kw = at._fwd_args(q, k, v, o, lse, slopes, geometry, True, True)
-    at._alibi_fwd_kernel[(triton.cdiv(n, cfg["fwd"]["BLOCK_M"]), heads, 1)](*args, **kw, **cfg["fwd"])
+    assert kw["HEAD_PAIR"] == (not learned)
+    programs = heads // 2 if kw["HEAD_PAIR"] else heads
+    at._alibi_fwd_kernel[(triton.cdiv(n, cfg["fwd"]["BLOCK_M"]), programs, 1)](*args, **kw, **cfg["fwd"])
     delta, dsl = torch.empty(1, heads, n, device=DEVICE), torch.empty(1, heads, n, device=DEVICE)
     dq, dk, dv = (at._new_bnhd(q) for _ in range(3))
     at._bwd_preprocess_kernel[(triton.cdiv(n, 16), heads, 1)](o, do, delta, *o.stride(), *do.stride(), heads, n,
                                                               HEAD_DIM=d, BLOCK_M=16)
     dkdv_args, dq_args, kw, pair = at._bwd_args(do, q, k, v, dq, dk, dv, lse, delta, dsl, slopes, geometry, True,
                                                 True)
-    assert not pair and not kw.get("HEAD_PAIR")  # fp32 with per-head slopes: one head per program
     at._alibi_bwd_dkdv_kernel[(triton.cdiv(n, cfg["dkdv"]["BLOCK_N"]), heads, 1)](
-        *dkdv_args, **kw, COMPUTE_DSLOPE=True, **cfg["dkdv"])
-    at._alibi_bwd_dq_kernel[(triton.cdiv(n, cfg["dq"]["BLOCK_M"]), heads, 1)](
-        *dq_args, **kw, COMPUTE_DSLOPE=False, **cfg["dq"])
-    ref_out, ref_grads = _reference(q, k, v, do, grid, prefix, slopes.clone().requires_grad_(), True, True)
-    _check(o, ref_out, 2e-5, "out")
-    for name, g, r in zip(("dq", "dk", "dv", "dslopes"), (dq, dk, dv, dsl.sum(dim=(0, 2))), ref_grads):
-        _check(g, r, 5e-5 * max(1.0, r.abs().max().item()), name)
+        *dkdv_args, **kw, COMPUTE_DSLOPE=learned, **cfg["dkdv"])
+    at._alibi_bwd_dq_kernel[(triton.cdiv(n, cfg["dq"]["BLOCK_M"]), programs, 1)](
+        *dq_args, **kw, COMPUTE_DSLOPE=False, HEAD_PAIR=pair, **cfg["dq"])
+    ref_slopes = slopes.clone().requires_grad_() if learned else None
+    inputs = [t.float() for t in (q, k, v, do)]  # the reference sees the same rounded inputs
+    ref_out, ref_grads = _reference(*inputs, grid, prefix, ref_slopes, True, True)
+    fwd_tol, grad_tol = (2e-5, 5e-5) if dtype == torch.float32 else TOL[dtype]
+    _check(o, ref_out, fwd_tol, "out")
+    got = (dq, dk, dv) + ((dsl.sum(dim=(0, 2)),) if learned else ())
+    for name, g, r in zip(("dq", "dk", "dv", "dslopes"), got, ref_grads):
+        _check(g, r, grad_tol * max(1.0, r.abs().max().item()), name)
 
 
 def test_rejects_outputs_beyond_int32_offsets():
@@ -390,6 +435,35 @@ def test_every_gpu_call_is_offered_a_launch_config():
                 for fp32 in (True, False):
                     keys = [at._config_key(c) for c in at.gpu_launch_configs(kind, head_dim, table, fp32)]
                     assert keys and len(set(keys)) == len(keys), (kind, head_dim, table, fp32)
+
+
+def test_gpu_autotuning_is_keyed_by_a_bucket_of_n():
+    """Tuning keys on the power-of-two bucket of N, never N itself, and every launch passes that bucket
+    in the kernels' N_BUCKET argument; results are cached on disk where Triton supports it."""
+    from kernels import alibi_triton as at
+
+    assert [at.n_bucket(n) for n in (1, 2, 261, 512, 513, 1374, 5334, 21909)] == [1, 2, 512, 512, 1024, 2048, 8192,
+                                                                                   32768]
+    for kind, fn in (("fwd", at._alibi_fwd_kernel), ("dkdv", at._alibi_bwd_dkdv_kernel),
+                     ("dq", at._alibi_bwd_dq_kernel)):
+        tuner = at._gpu_autotune(kind)(fn)
+        assert "N_BUCKET" in tuner.keys and "N" not in tuner.keys
+    if "cache_results" in inspect.signature(triton.autotune).parameters:
+        assert at._CACHE_RESULTS == {"cache_results": True}
+
+    grid, prefix = (16, 16), 5  # N = 261: bucket 512
+    q, k, v, do, slopes = _inputs(1, 2, grid, prefix, 32, torch.float32, seed=3)
+    n = q.shape[2]
+    geometry = grid, device_bias_lookup(*grid, prefix, True, True, True, q.device)
+    lse = torch.empty(1, 2, n)
+    args, _ = at._fwd_args(q, k, v, at._new_bnhd(q), lse, slopes, geometry, True, True)
+    named = dict(zip(at._alibi_fwd_kernel.arg_names, args))
+    assert (named["N"], named["N_BUCKET"]) == (261, 512)
+    dkdv, dqa, _, _ = at._bwd_args(do, q, k, v, *(at._new_bnhd(q) for _ in range(3)), lse, lse, lse, slopes,
+                                   geometry, True, True)
+    for fn, fn_args in ((at._alibi_bwd_dkdv_kernel, dkdv), (at._alibi_bwd_dq_kernel, dqa)):
+        named = dict(zip(fn.arg_names, fn_args))
+        assert (named["N"], named["N_BUCKET"]) == (261, 512)
 
 
 def test_fake_implementation_matches_real_op():
