@@ -42,7 +42,12 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from alibi_vit import create_backbone, patch_features
 from alibi_vit.rasa import fold_planes, orthogonalize_planes, remove_planes
-from lit_modules.segmentation_probe import backbone_autocast
+from lit_modules.segmentation_probe import (
+    FeatureCache,
+    SegmentationProbeModule,
+    backbone_autocast,
+    local_pretrained_overlay,
+)
 
 __all__ = ["RASAModule", "position_grid"]
 
@@ -91,8 +96,6 @@ class RASAModule(L.LightningModule):
                              "or --model.pretrained=true (or --model.allow_random_init=true for smoke tests)")
         build_kwargs = dict(backbone_kwargs or {})
         if pretrained:
-            from lit_modules.segmentation_probe import local_pretrained_overlay
-
             build_kwargs.update(local_pretrained_overlay(backbone, backbone_kwargs))
         self.backbone = create_backbone(backbone, pretrained=pretrained, checkpoint=backbone_checkpoint,
                                         **build_kwargs)
@@ -119,8 +122,6 @@ class RASAModule(L.LightningModule):
 
     def backbone_tag(self, device=None) -> str:
         # the segmentation probe's cache identity (name, options, weights hash, precision): shared files
-        from lit_modules.segmentation_probe import SegmentationProbeModule
-
         return SegmentationProbeModule.backbone_tag(self, device)
 
     def batch_features(self, batch) -> torch.Tensor:
@@ -128,8 +129,6 @@ class RASAModule(L.LightningModule):
         if isinstance(batch, torch.Tensor):
             return self.backbone_features(batch)
         if isinstance(batch, dict):
-            from lit_modules.segmentation_probe import SegmentationProbeModule
-
             return SegmentationProbeModule.batch_features(self, batch)
         raise ValueError(f"a RASA batch is an image tensor or a segmentation batch dict, got {type(batch).__name__}")
 
@@ -206,14 +205,8 @@ class RASAModule(L.LightningModule):
             self._epochs_per_round()  # a bad max_epochs fails before any work
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if self.hparams.feature_cache_dir:
-            if not hasattr(datamodule, "attach_feature_cache"):
-                raise ValueError("feature_cache_dir needs a segmentation datamodule (datamodules.segmentation.*, "
-                                 "e.g. COCOStuffSegmentation for COCO images): the image datamodules have no cache")
-            from lit_modules.segmentation_probe import FeatureCache
-
-            device = self.trainer.strategy.root_device
-            self.feature_cache = FeatureCache(self.hparams.feature_cache_dir, self.backbone_tag(device))
-            datamodule.attach_feature_cache(self.feature_cache)
+            self.feature_cache = FeatureCache.attach(datamodule, self.hparams.feature_cache_dir,
+                                                     self.backbone_tag(self.trainer.strategy.root_device))
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         _, clean, target = self._tokens(batch)

@@ -63,6 +63,16 @@ class FeatureCache:
         self.root = Path(root).expanduser()
         self.dir = self.root / backbone_tag
 
+    @classmethod
+    def attach(cls, datamodule, root, backbone_tag: str) -> "FeatureCache":
+        """A cache under ``root`` handed to a segmentation datamodule, which then reads features from it."""
+        if not hasattr(datamodule, "attach_feature_cache"):
+            raise ValueError("feature_cache_dir needs a segmentation datamodule (datamodules.segmentation.*, "
+                             "e.g. COCOStuffSegmentation for COCO images): the image datamodules have no cache")
+        cache = cls(root, backbone_tag)
+        datamodule.attach_feature_cache(cache)
+        return cache
+
     def path(self, key: str) -> Path:
         return self.dir / f"{key}.pt"
 
@@ -321,12 +331,8 @@ class SegmentationProbeModule(L.LightningModule):
             names = getattr(datamodule, "class_names", None)
             self.class_names = list(names) if names else [f"class_{i}" for i in range(self.num_classes)]
         if self.hparams.feature_cache_dir:
-            if not hasattr(datamodule, "attach_feature_cache"):
-                raise ValueError("feature_cache_dir needs a datamodule with attach_feature_cache "
-                                 "(datamodules.segmentation.*)")
-            device = self.trainer.strategy.root_device
-            self.feature_cache = FeatureCache(self.hparams.feature_cache_dir, self.backbone_tag(device))
-            datamodule.attach_feature_cache(self.feature_cache)
+            self.feature_cache = FeatureCache.attach(datamodule, self.hparams.feature_cache_dir,
+                                                     self.backbone_tag(self.trainer.strategy.root_device))
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         logits = self(batch)

@@ -1,5 +1,6 @@
-"""Tiny random-init models and benchmark-script loading shared by the tests."""
+"""Tiny random-init models, feature and command helpers, and benchmark-script loading shared by the tests."""
 
+import argparse
 import importlib
 import sys
 from pathlib import Path
@@ -17,6 +18,30 @@ TINY = dict(depth=2, embed_dim=32, num_heads=2, init_values=1.0)
 def tiny_model(name="alibi_vit_small_patch14_reg4_dinov2", dtype=torch.float64, seed=0, **kwargs):
     torch.manual_seed(seed)
     return timm.create_model(name, **{**TINY, **kwargs}).eval().to(dtype)
+
+
+def features(model, images, **kwargs):
+    """:func:`alibi_vit.patch_features` without autograd."""
+    from alibi_vit import patch_features
+
+    with torch.no_grad():
+        return patch_features(model, images, **kwargs)
+
+
+def shuffle_patches(x, patch: int, perm):
+    """Image ``x`` (B, C, h·patch, w·patch) with its patches rearranged: patch ``i`` (row-major) of the
+    result is patch ``perm[i]`` of ``x``."""
+    b, c, height, width = x.shape
+    h, w = height // patch, width // patch
+    patches = x.unfold(2, patch, patch).unfold(3, patch, patch).reshape(b, c, h * w, patch, patch)
+    return patches[:, :, perm].reshape(b, c, h, w, patch, patch).permute(0, 1, 2, 4, 3, 5).reshape(x.shape)
+
+
+def run_subcommand(cli_module, argv):
+    """Parse ``argv`` with an ``alibi-vit`` subcommand module's own arguments and run it in-process."""
+    parser = argparse.ArgumentParser()
+    cli_module.add_arguments(parser)
+    return cli_module.run(parser.parse_args(argv))
 
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"

@@ -7,16 +7,10 @@ import pytest
 import timm
 import torch
 
-from alibi_vit import patch_features
 from alibi_vit.baselines import DIHEDRAL, FLIPS, blank_channels, transform_average
-from tests.helpers import TINY, tiny_model
+from tests.helpers import TINY, features, tiny_model
 
 PATCH = 14
-
-
-def features(model, images, **kwargs):
-    with torch.no_grad():
-        return patch_features(model, images, **kwargs)
 
 
 def dinov2(**kwargs):

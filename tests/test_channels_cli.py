@@ -1,8 +1,8 @@
 """`alibi-vit channels`: a model whose positional channels are known by construction ranks them first."""
 
-import argparse
 import csv
 import math
+from functools import partial
 
 import numpy as np
 import pytest
@@ -10,15 +10,13 @@ import torch
 
 from alibi_vit import channels_cli
 from alibi_vit.checkpoint import create_backbone
+from tests.helpers import run_subcommand
 
 ARCH = dict(depth=1, embed_dim=32, num_heads=2, img_size=112)  # 8×8 grid at 112 px: pos_embed used as is
 POSITIONAL = (5, 6, 9, 10)
 
 
-def run_channels(argv):
-    parser = argparse.ArgumentParser()
-    channels_cli.add_arguments(parser)
-    return channels_cli.run(parser.parse_args(argv))
+run_channels = partial(run_subcommand, channels_cli)
 
 
 def _model_args():

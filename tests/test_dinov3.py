@@ -7,18 +7,13 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-from alibi_vit import convert_to_alibi, patch_features
+from alibi_vit import convert_to_alibi
 from alibi_vit.attention import AlibiEvaAttention
 from alibi_vit.dinov3 import DINOV3_NAMES, AlibiEva
-from tests.helpers import TINY, tiny_model
+from tests.helpers import TINY, features, shuffle_patches, tiny_model
 
 PATCH = 16
 ALIBI_SPLUS = "alibi_vit_small_plus_patch16_dinov3"
-
-
-def features(model, images):
-    with torch.no_grad():
-        return patch_features(model, images)
 
 
 @pytest.mark.parametrize("name", DINOV3_NAMES)
@@ -61,8 +56,7 @@ def test_nope_dinov3_is_a_bag_of_patches():
     h, w = 2, 3
     x = torch.randn(1, 3, h * PATCH, w * PATCH, dtype=torch.float64)
     perm = torch.randperm(h * w, generator=torch.Generator().manual_seed(1))
-    patches = x.unfold(2, PATCH, PATCH).unfold(3, PATCH, PATCH).reshape(1, 3, h * w, PATCH, PATCH)
-    shuffled = patches[:, :, perm].reshape(1, 3, h, w, PATCH, PATCH).permute(0, 1, 2, 4, 3, 5).reshape(x.shape)
+    shuffled = shuffle_patches(x, PATCH, perm)
     torch.testing.assert_close(features(model, shuffled).flatten(2), features(model, x).flatten(2)[:, :, perm],
                                rtol=0, atol=1e-10)
 

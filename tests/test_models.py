@@ -11,14 +11,9 @@ import alibi_vit
 from alibi_vit import MODEL_NAMES, convert_to_alibi, convert_to_nope, create_backbone, patch_features
 from alibi_vit.models import DINOV2_NAMES
 from alibi_vit.dinov3 import DINOV3_NAMES
-from tests.helpers import TINY, tiny_model
+from tests.helpers import TINY, features, shuffle_patches, tiny_model
 
 PATCH = 14
-
-
-def features(model, images):
-    with torch.no_grad():
-        return patch_features(model, images)
 
 
 @pytest.mark.parametrize("name", DINOV2_NAMES)
@@ -71,8 +66,7 @@ def test_nope_model_is_a_bag_of_patches():
     h, w = 3, 4
     x = torch.randn(1, 3, h * PATCH, w * PATCH, dtype=torch.float64)
     perm = torch.randperm(h * w, generator=torch.Generator().manual_seed(1))
-    patches = x.unfold(2, PATCH, PATCH).unfold(3, PATCH, PATCH).reshape(1, 3, h * w, PATCH, PATCH)
-    shuffled = patches[:, :, perm].reshape(1, 3, h, w, PATCH, PATCH).permute(0, 1, 2, 4, 3, 5).reshape(x.shape)
+    shuffled = shuffle_patches(x, PATCH, perm)
     f, g = features(model, x).flatten(2), features(model, shuffled).flatten(2)
     torch.testing.assert_close(g, f[:, :, perm], rtol=0, atol=1e-10)
 

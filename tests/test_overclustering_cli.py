@@ -1,7 +1,7 @@
 """``alibi-vit overcluster`` on a generated VOC-layout set, with a tiny random-init backbone."""
 
-import argparse
 import csv
+from functools import partial
 
 import pytest
 import torch
@@ -11,15 +11,13 @@ from alibi_vit import overcluster_cli
 from alibi_vit.overclustering import labels_to_patch_grid, overclustering_miou
 from alibi_vit.rasa import fold_planes
 from datamodules.demo_voc import write_demo_voc
+from tests.helpers import run_subcommand
 
 KWARGS = ["--model-arg", "depth=2", "--model-arg", "embed_dim=48", "--model-arg", "num_heads=2"]
 TINY = dict(depth=2, embed_dim=48, num_heads=2)
 
 
-def _run(argv):
-    parser = argparse.ArgumentParser()
-    overcluster_cli.add_arguments(parser)
-    return overcluster_cli.run(parser.parse_args(argv))
+_run = partial(run_subcommand, overcluster_cli)
 
 
 @pytest.fixture(scope="module")

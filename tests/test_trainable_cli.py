@@ -1,6 +1,6 @@
 """``alibi-vit segment train|apply|benchmark`` on small synthetic files."""
 
-import argparse
+from functools import partial
 
 import numpy as np
 import pytest
@@ -9,12 +9,10 @@ from PIL import Image
 
 from alibi_vit import segment_cli
 from alibi_vit.trainable import mean_iou, scribbles, synthetic_micrograph
+from tests.helpers import run_subcommand
 
 
-def run(argv):
-    parser = argparse.ArgumentParser()
-    segment_cli.add_arguments(parser)
-    return segment_cli.run(parser.parse_args(argv))
+run = partial(run_subcommand, segment_cli)
 
 
 @pytest.fixture(scope="module")
