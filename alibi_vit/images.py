@@ -61,7 +61,7 @@ BUNDLED_SETS = {
     "microscopy": ("cell", "immunohistochemistry"),              # quantitative-phase image of a cell; IHC-stained tissue
     "retina": ("microaneurysms", "retina"),                      # fundus images of the eye
     "astronomy": ("hubble_deep_field", "moon"),                  # telescope images
-    # Generated 3-phase microstructures (12-bit data in 16-bit images, alibi_vit.trainable.synthetic):
+    # Generated 3-phase microstructures (12-bit data in 16-bit images, alibi_vit.synthetic):
     # micrograph-like and offline, but not real micrographs.
     "synthetic_micrographs": tuple(f"synthetic_micrograph_{seed}" for seed in range(4)),
 }
@@ -329,7 +329,7 @@ def bundled_images(name: str = "textures", intensity: IntensityMode = "auto") ->
 def _bundled_array(name: str) -> np.ndarray:
     """The pixels of one bundled image: from ``skimage.data``, or generated for the synthetic set."""
     if name.startswith(_SYNTHETIC_PREFIX):
-        from .trainable.synthetic import synthetic_micrograph
+        from .synthetic import synthetic_micrograph
 
         return synthetic_micrograph(_SYNTHETIC_SIZE, seed=int(name[len(_SYNTHETIC_PREFIX):]))[0]
     from skimage import data

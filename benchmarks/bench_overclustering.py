@@ -5,7 +5,7 @@ patches (518 px, patch 14) × C = 384 channels in float16 (1.52 GB), with one ui
 patch. They are synthetic here (21 class centres, several sub-clusters per class, Gaussian
 noise; 5 % of the labels 255), since only the clustering and scoring are measured: the backbone
 pass is the same as the segmentation probe's. For each k the run times
-``alibi_vit.overclustering.overclustering`` (MiniBatchKMeans over float32 chunks, or faiss when
+``alibi_vit.analysis.overclustering.overclustering`` (MiniBatchKMeans over float32 chunks, or faiss when
 installed, then the matching and the confusion matrix) and records the process's peak resident
 memory above what it held with the features in place: the k-means working set.
 
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.smoke:
         args.images, args.k = 60, [21, 30]
-    from alibi_vit.overclustering import overclustering
+    from alibi_vit.analysis.overclustering import overclustering
     import scipy.optimize  # noqa: F401  (libraries loaded before the baseline: their code is not working set)
     import sklearn.cluster  # noqa: F401
 

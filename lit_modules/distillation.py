@@ -30,10 +30,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 import alibi_vit
 from alibi_vit import create_backbone, load_state_dict_file, load_weights, patch_features
-from alibi_vit.feature_maps import shared_pca_rgb
+from alibi_vit.analysis.feature_maps import shared_pca_rgb
+from alibi_vit.analysis.probe import positional_r2
 from alibi_vit.images import denormalize, load_image_set, normalize
-from alibi_vit.models import POSITION_KWARGS
-from alibi_vit.probe import positional_r2
+from alibi_vit.models.attention import POSITION_KWARGS
 
 __all__ = ["DistillationModule", "KNOWN_BLANK_CHANNELS", "build_student", "cosine_distance", "copy_teacher_weights",
            "student_state_dict"]

@@ -1,4 +1,4 @@
-"""``alibi-vit export``: the student of a distillation checkpoint as a plain timm state_dict.
+"""The student of a distillation checkpoint as a plain timm state_dict (the command ``alibi-vit export``).
 
 The result is the release format: ``timm.create_model("alibi_vit_small_patch14_reg4_dinov2",
 checkpoint_path=...)`` loads it (after ``import alibi_vit``), strictly. Before writing, the
@@ -13,12 +13,11 @@ files hold only the tensors.
 
 from __future__ import annotations
 
-import argparse
 import json
 import warnings
 from pathlib import Path
 
-__all__ = ["add_arguments", "export_student", "run"]
+__all__ = ["export_student"]
 
 _FORMATS = (".safetensors", ".pth", ".pt")
 
@@ -26,7 +25,7 @@ _FORMATS = (".safetensors", ".pth", ".pt")
 def _read_checkpoint(path: Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    from alibi_vit.checkpoint import read_torch_file
+    from alibi_vit.models.checkpoint import read_torch_file
 
     ckpt = read_torch_file(path, what="Lightning checkpoint")
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
@@ -77,16 +76,3 @@ def export_student(checkpoint, out, *, verify: bool = True) -> Path:
             warnings.warn(f"{out.suffix} files do not record the architecture: load {out.name} with {given} "
                           "(a .safetensors export records it)", stacklevel=2)
     return out
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True, help="Lightning .ckpt of a distillation run")
-    parser.add_argument("--out", required=True, help="output file: .safetensors (recommended), .pth or .pt")
-    parser.add_argument("--no-verify", dest="verify", action="store_false",
-                        help="skip loading the weights into the rebuilt student before writing")
-
-
-def run(args) -> int:
-    out = export_student(args.checkpoint, args.out, verify=args.verify)
-    print(f"wrote student weights to {out}")
-    return 0

@@ -13,12 +13,12 @@ Logged every validation epoch: ``val/mse`` (the round's head on the cleaned toke
 variance of the targets, cleaned tokens), ``val/cosine`` (mean cosine similarity between
 original and cleaned tokens) and ``val/round``; ``train/mse`` and ``train/lr`` every step.
 
-When fitting ends with every round done, the folded backbone (:func:`alibi_vit.rasa.fold_planes`: the timm state_dict
+When fitting ends with every round done, the folded backbone (:func:`alibi_vit.analysis.rasa.fold_planes`: the timm state_dict
 plus the one matrix ``rasa_projection``) is written to ``EXPORT/rasa_backbone.safetensors``
 (its metadata records the model name and kwargs, as ``alibi-vit export`` does), the planes to
 ``EXPORT/rasa_planes.pt`` ((T, 2, C) float32, orthonormal rows) and the last validation
 metrics of every round to ``EXPORT/rasa_rounds.json``; ``EXPORT`` is ``export_dir`` or
-``<run dir>/rasa``. ``alibi_vit.rasa.load_rasa_backbone(name, EXPORT/rasa_backbone.safetensors)``
+``<run dir>/rasa``. ``alibi_vit.create_backbone(name, checkpoint=EXPORT/rasa_backbone.safetensors)``
 rebuilds it.
 
 Data: any of the image datamodules (batches of images), or a segmentation datamodule (its
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_only
 
 from alibi_vit import create_backbone, patch_features
-from alibi_vit.rasa import fold_planes, orthogonalize_planes, remove_planes
+from alibi_vit.analysis.rasa import fold_planes, orthogonalize_planes, remove_planes
 from lit_modules.segmentation_probe import (
     FeatureCache,
     SegmentationProbeModule,
@@ -163,7 +163,7 @@ class RASAModule(L.LightningModule):
         if self.hparams.orthogonalize:
             plane = orthogonalize_planes(list(self.planes.double()) + [plane.double()])[-1]
         else:
-            from alibi_vit.rasa import orthonormal_plane
+            from alibi_vit.analysis.rasa import orthonormal_plane
 
             plane = orthonormal_plane(plane, self.round)
         metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val/")} \
@@ -256,7 +256,7 @@ class RASAModule(L.LightningModule):
     # ---- export -----------------------------------------------------------------------------
 
     def folded_backbone(self) -> nn.Module:
-        """A copy of the backbone with every finished plane folded in (:func:`alibi_vit.rasa.fold_planes`)."""
+        """A copy of the backbone with every finished plane folded in (:func:`alibi_vit.analysis.rasa.fold_planes`)."""
         return fold_planes(self.backbone, list(self.planes), inplace=False)
 
     def export_dir(self) -> Path:

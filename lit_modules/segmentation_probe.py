@@ -42,7 +42,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.classification import MulticlassConfusionMatrix
 
 from alibi_vit import create_backbone, patch_features
-from alibi_vit.models import MODEL_NAMES
+from alibi_vit.models.names import MODEL_NAMES
 
 __all__ = ["IGNORE_INDEX", "FeatureCache", "SegmentationProbeModule", "backbone_autocast", "confusion_matrix",
            "iou_from_confusion", "local_pretrained_overlay"]

@@ -7,7 +7,7 @@ import pytest
 import timm
 import torch
 
-from alibi_vit.baselines import DIHEDRAL, FLIPS, blank_channels, transform_average
+from alibi_vit.models.baselines import DIHEDRAL, FLIPS, blank_channels, transform_average
 from tests.helpers import TINY, features, tiny_model
 
 PATCH = 14

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from alibi_vit import channels_cli
-from alibi_vit.checkpoint import create_backbone
+from alibi_vit.analysis.channels import rank_channels
+from alibi_vit.cli import channels as channels_cli
+from alibi_vit.models.checkpoint import create_backbone
 from tests.helpers import run_subcommand
 
 ARCH = dict(depth=1, embed_dim=32, num_heads=2, img_size=112)  # 8×8 grid at 112 px: pos_embed used as is
@@ -71,7 +72,7 @@ def test_planted_positional_channels_rank_first(planted_checkpoint, tmp_path, ca
 
 
 def test_rank_channels_orders_by_r2_with_nan_last():
-    assert channels_cli.rank_channels([0.1, np.nan, 0.9, 0.1, -2.0]) == [2, 0, 3, 4, 1]
+    assert rank_channels([0.1, np.nan, 0.9, 0.1, -2.0]) == [2, 0, 3, 4, 1]
 
 
 def test_bad_top_and_unknown_model_are_errors(planted_checkpoint, tmp_path):

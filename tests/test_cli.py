@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import alibi_vit
-from alibi_vit.cli import format_error, main
+from alibi_vit.cli.main import format_error, main
 
 NAME = "alibi_vit_small_patch14_reg4_dinov2"
 TINY = {"depth": 2, "embed_dim": 48, "num_heads": 2}

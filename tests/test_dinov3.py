@@ -8,8 +8,9 @@ import torch
 from safetensors.torch import save_file
 
 from alibi_vit import convert_to_alibi
-from alibi_vit.attention import AlibiEvaAttention
-from alibi_vit.dinov3 import DINOV3_NAMES, AlibiEva
+from alibi_vit.models.attention import AlibiEvaAttention
+from alibi_vit.models.dinov3 import AlibiEva
+from alibi_vit.models.names import DINOV3_NAMES
 from tests.helpers import TINY, features, shuffle_patches, tiny_model
 
 PATCH = 16
@@ -113,7 +114,7 @@ def test_convert_to_alibi_takes_a_timm_dinov3():
 
 
 def test_non_zero_query_bias_without_a_place_for_it_is_an_error():
-    from alibi_vit.dinov3 import meta_to_timm
+    from alibi_vit.models.dinov3 import meta_to_timm
 
     state = {"storage_tokens": torch.zeros(1, 4, 8), "blocks.0.attn.qkv.bias": torch.ones(24)}
     with pytest.raises(ValueError, match="qkv_bias=True"):

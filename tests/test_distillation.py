@@ -22,7 +22,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import alibi_vit  # noqa: F401  (registers the ALiBi models with timm)
 from alibi_vit import patch_features
 from lit_modules.cli import cli, main, newest_resume_checkpoint
-from alibi_vit.feature_maps import shared_pca_rgb
+from alibi_vit.analysis.feature_maps import shared_pca_rgb
 from lit_modules.distillation import KNOWN_BLANK_CHANNELS, DistillationModule, cosine_distance
 from lit_modules.export import export_student
 from tests.helpers import benchmark_module

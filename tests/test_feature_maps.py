@@ -9,7 +9,7 @@ from PIL import Image
 
 import alibi_vit
 from alibi_vit.cli import main
-from alibi_vit.feature_maps import (
+from alibi_vit.analysis.feature_maps import (
     COLORBAR_WIDTH, COLUMNS, LABEL_HEIGHT, PAD, PCAColouring, cosine_similarity_map, feature_map_grid, grid_shape,
     kmeans_labels, pca_rgb,
 )

@@ -8,7 +8,7 @@ import tifffile
 import torch
 
 from alibi_vit.cli import main
-from alibi_vit.cli_options import add_image_arguments, images_from_args
+from alibi_vit.cli.options import add_image_arguments, images_from_args
 from alibi_vit.images import BUNDLED_SETS
 
 TINY_ARGS = ["--model-arg", "depth=1", "--model-arg", "embed_dim=32", "--model-arg", "num_heads=2"]

@@ -242,7 +242,7 @@ def test_bundled_sets_are_named_for_what_they_hold_and_load_offline():
 
 
 def test_synthetic_micrographs_are_the_generators_16bit_images():
-    from alibi_vit.trainable.synthetic import synthetic_micrograph
+    from alibi_vit.synthetic import synthetic_micrograph
 
     [(name, image)] = bundled_images("synthetic_micrograph_1", intensity="dtype")
     expected = synthetic_micrograph(512, seed=1)[0].astype(np.float64) / 65535.0

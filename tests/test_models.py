@@ -9,8 +9,8 @@ from safetensors.torch import save_file
 
 import alibi_vit
 from alibi_vit import MODEL_NAMES, convert_to_alibi, convert_to_nope, create_backbone, patch_features
-from alibi_vit.models import DINOV2_NAMES
-from alibi_vit.dinov3 import DINOV3_NAMES
+from alibi_vit.models.names import DINOV2_NAMES
+from alibi_vit.models.names import DINOV3_NAMES
 from tests.helpers import TINY, features, shuffle_patches, tiny_model
 
 PATCH = 14

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from alibi_vit.overclustering import (cluster_features, labels_to_patch_grid, map_clusters, miou_from_clusters,
+from alibi_vit.analysis.overclustering import (cluster_features, labels_to_patch_grid, map_clusters, miou_from_clusters,
                                       overclustering, overclustering_miou)
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from alibi_vit import create_backbone, patch_features
-from alibi_vit import overcluster_cli
-from alibi_vit.overclustering import labels_to_patch_grid, overclustering_miou
-from alibi_vit.rasa import fold_planes
+from alibi_vit.cli import overcluster as overcluster_cli
+from alibi_vit.analysis.overclustering import labels_to_patch_grid, overclustering_miou
+from alibi_vit.analysis.rasa import fold_planes
 from datamodules.demo_voc import write_demo_voc
 from tests.helpers import run_subcommand
 
@@ -67,7 +67,7 @@ def test_overcluster_bad_size(voc, tmp_path):
 def test_comparison_table(voc, tmp_path):
     import lightning as L
 
-    from alibi_vit.probe import positional_r2
+    from alibi_vit.analysis.probe import positional_r2
     from alibi_vit.images import load_image_set, normalize
     from datamodules.segmentation import VOCSegmentation
     from lit_modules.segmentation_probe import SegmentationProbeModule

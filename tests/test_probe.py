@@ -11,7 +11,7 @@ from timm.layers import build_sincos2d_pos_embed
 
 from alibi_vit import convert_to_alibi, patch_features
 from alibi_vit.images import bundled_images, normalize, resize_center_crop
-from alibi_vit.probe import MIN_TRAIN, fitted_patches, layer_fingerprint, per_channel_r2, position_targets, positional_r2
+from alibi_vit.analysis.probe import MIN_TRAIN, fitted_patches, layer_fingerprint, per_channel_r2, position_targets, positional_r2
 
 
 def test_targets_by_hand():

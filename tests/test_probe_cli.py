@@ -66,7 +66,7 @@ def test_probe_says_which_models_are_random_and_how_many_patches_it_fitted(tmp_p
 def test_probe_plot_writes_both_figures_from_the_csv_numbers(tmp_path):
     from PIL import Image
 
-    from alibi_vit.probe_cli import plot_fingerprints, plot_r2_per_layer
+    from alibi_vit.cli.probe import plot_fingerprints, plot_r2_per_layer
 
     out = tmp_path / "probe.csv"
     assert main(["probe", "--model", "vit_small_patch14_reg4_dinov2", *TINY_ARGS, "--images", "noise",
@@ -96,7 +96,7 @@ def test_paper_table_runs_what_it_can_and_skips_the_rest(tmp_path, capsys, monke
     import torch
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from alibi_vit.checkpoint import create_backbone
+    from alibi_vit.models.checkpoint import create_backbone
 
     arch = dict(depth=1, embed_dim=32, num_heads=2)
     dinov2 = create_backbone("vit_small_patch14_reg4_dinov2", **arch, dynamic_img_size=False).state_dict()

@@ -6,9 +6,9 @@ import lightning as L
 import pytest
 import torch
 
-from alibi_vit import patch_features
-from alibi_vit.probe import positional_r2
-from alibi_vit.rasa import PROJECTION_KEY, load_rasa_backbone, remove_planes
+from alibi_vit import create_backbone, patch_features
+from alibi_vit.analysis.probe import positional_r2
+from alibi_vit.analysis.rasa import PROJECTION_KEY, remove_planes
 from datamodules.images import TensorImageDataset
 from lit_modules.rasa import RASAModule, position_grid
 
@@ -80,7 +80,7 @@ def test_two_rounds_remove_position_and_export(tmp_path):
     out = tmp_path / "export"
     planes = torch.load(out / "rasa_planes.pt", weights_only=True)
     torch.testing.assert_close(planes, module.planes)
-    folded = load_rasa_backbone("vit_small_patch14_reg4_dinov2", out / "rasa_backbone.safetensors").eval()
+    folded = create_backbone("vit_small_patch14_reg4_dinov2", checkpoint=out / "rasa_backbone.safetensors").eval()
     assert set(folded.state_dict()) == set(module.backbone.state_dict()) | {PROJECTION_KEY}
     with torch.no_grad():
         torch.testing.assert_close(patch_features(folded, images), cleaned, atol=1e-4, rtol=1e-4)

@@ -7,7 +7,7 @@ import pytest
 import tifffile
 from PIL import Image
 
-from alibi_vit import segment_cli
+from alibi_vit.cli import segment as segment_cli
 from alibi_vit.trainable import mean_iou, scribbles, synthetic_micrograph
 from tests.helpers import run_subcommand
 

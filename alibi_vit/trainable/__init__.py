@@ -7,13 +7,13 @@
 - :func:`dense_crf`: optional clean-up of the probabilities.
 """
 
+from ..synthetic import synthetic_dataset, synthetic_micrograph
 from .benchmark import mean_iou, scribble_benchmark
 from .classical import classical_feature_names, classical_features, membrane_kernels
 from .crf import dense_crf
 from .io import read_grayscale, read_labels, to_unit_float
 from .scribbles import scribbles
 from .segmenter import TrainableSegmenter
-from .synthetic import synthetic_dataset, synthetic_micrograph
 from .vit import ViTFeatures, vit_patch_features
 
 __all__ = ["TrainableSegmenter", "ViTFeatures", "classical_feature_names", "classical_features", "dense_crf",

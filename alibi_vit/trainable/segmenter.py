@@ -116,7 +116,7 @@ class TrainableSegmenter:
                 model = backbone
                 self.backbone_spec = {"module": type(backbone).__name__}
             elif isinstance(backbone, str):
-                from ..checkpoint import create_backbone
+                from ..models.checkpoint import create_backbone
 
                 model = create_backbone(backbone, pretrained=pretrained, checkpoint=checkpoint, **(model_kwargs or {}))
                 self.backbone_spec = {"name": backbone, "pretrained": bool(pretrained),

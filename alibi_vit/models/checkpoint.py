@@ -18,7 +18,8 @@ import timm
 import torch
 import torch.nn as nn
 
-from .models import MODEL_NAMES
+from .formats import key_mismatches
+from .names import MODEL_NAMES
 
 __all__ = ["read_torch_file", "check_model_name", "checkpoint_metadata", "create_backbone", "load_state_dict_file", "load_weights"]
 
@@ -125,10 +126,7 @@ def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], source: 
     if adapt is not None:
         state_dict = adapt(state_dict)
     own = model.state_dict()
-    missing = sorted(set(own) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(own))
-    shapes = sorted(f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(own[k].shape)}"
-                    for k in set(own) & set(state_dict) if own[k].shape != state_dict[k].shape)
+    missing, unexpected, shapes = key_mismatches(own, state_dict)
     if missing or unexpected or shapes:
         lines = [f"{source} does not match {type(model).__name__} ({len(own)} tensors; checkpoint "
                  f"{len(state_dict)}):"]
@@ -202,9 +200,9 @@ def create_backbone(name: str, *, pretrained: bool = False, checkpoint=None, **m
                          f"{err or type(err).__name__}") from err
     if checkpoint is not None:
         state = load_state_dict_file(checkpoint)
-        from .rasa import PROJECTION_KEY, attach_projection
+        from .projection import PROJECTION_KEY, attach_projection
 
-        if PROJECTION_KEY in state:  # a RASA-folded backbone (alibi_vit.rasa.fold_planes): fold, then load
+        if PROJECTION_KEY in state:  # a RASA-folded backbone (alibi_vit.analysis.rasa.fold_planes): fold, then load
             attach_projection(model, torch.eye(model.num_features))
         load_weights(model, state, source=f"checkpoint {checkpoint}")
     return model

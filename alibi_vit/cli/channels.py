@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .probe import MIN_TRAIN, TARGETS
+from ..analysis.probe import MIN_TRAIN, TARGETS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .cli_options import add_image_arguments, add_model_arguments
+    from .options import add_image_arguments, add_model_arguments
 
     add_model_arguments(parser)
     add_image_arguments(parser, default_size=224)
@@ -37,22 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CSV of every channel's rank and R² (default %(default)s)")
 
 
-def rank_channels(r2) -> list[int]:
-    """Channel indices from the most to the least positional (highest R² first; NaN last, ties by index)."""
-    import numpy as np
-
-    r2 = np.asarray(r2, dtype=float)
-    key = np.where(np.isnan(r2), -np.inf, r2)
-    return [int(c) for c in np.lexsort((np.arange(len(r2)), -key))]
-
-
 def run(args) -> int:
     import warnings
 
-    from .cli_options import build_models, check_image_size, images_from_args, weights_of
-    from .images import normalize
-    from .probe import per_channel_r2
-    from .probe_cli import _features, _write_csv
+    from ..analysis.channels import rank_channels
+    from ..analysis.probe import per_channel_r2
+    from ..images import normalize
+    from .options import build_models, check_image_size, images_from_args, model_features, weights_of, write_csv
 
     check_image_size(args.size)
     if args.top < 1:
@@ -66,7 +57,7 @@ def run(args) -> int:
         if args.top > width:
             raise ValueError(f"--top {args.top} exceeds the {width} feature channels of {name}")
         layers = None if args.layer is None else [args.layer]
-        feats = _features(model, images, args.batch_size, layers)
+        feats = model_features(model, images, args.batch_size, layers)
         f = feats["final"] if args.layer is None else feats[args.layer]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="positional probe:")  # the fraction note; see alibi-vit probe
@@ -78,7 +69,7 @@ def run(args) -> int:
         rows.extend(mine)
         _print_top(mine[:args.top], len(images), args.size)
         del model
-    _write_csv(args.out, rows)
+    write_csv(args.out, rows)
     print(f"wrote {args.out}")
     return 0
 

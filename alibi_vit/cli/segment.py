@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from .cli_options import _checkpoints, _model_kwargs
+from .options import checkpoints_by_model, parse_model_args
 
 LABEL_SUFFIXES = ("", "_labels", "_label", "_mask", "_masks", "_gt", "-labels", "-mask")
 
@@ -104,14 +104,14 @@ def _classifier_params(args):
 def _backbone_kwargs(args, name):
     if name is None:
         return {}
-    checkpoints = _checkpoints(args.checkpoint, [name])
+    checkpoints = checkpoints_by_model(args.checkpoint, [name])
     return dict(checkpoint=checkpoints.get(name), pretrained=args.pretrained and name not in checkpoints,
-                model_kwargs=_model_kwargs(args.model_arg))
+                model_kwargs=parse_model_args(args.model_arg))
 
 
 def _train(args) -> int:
-    from .trainable import TrainableSegmenter, read_grayscale, read_labels
-    from .trainable.io import list_image_files
+    from ..trainable import TrainableSegmenter, read_grayscale, read_labels
+    from ..trainable.io import list_image_files
 
     if args.backbone is None and args.checkpoint:
         raise ValueError("--checkpoint needs --backbone NAME")
@@ -137,8 +137,8 @@ def _train(args) -> int:
 
 
 def _apply(args) -> int:
-    from .trainable import TrainableSegmenter, read_grayscale
-    from .trainable.io import list_image_files, overlay, write_mask
+    from ..trainable import TrainableSegmenter, read_grayscale
+    from ..trainable.io import list_image_files, overlay, write_mask
 
     seg = TrainableSegmenter.load(args.model, device=args.device)
     if args.crf != "model":
@@ -163,7 +163,7 @@ def _apply(args) -> int:
 
 
 def _read_set(image_sources, mask_sources, what):
-    from .trainable.io import read_array, list_image_files
+    from ..trainable.io import list_image_files, read_array
 
     if not image_sources or not mask_sources:
         raise ValueError(f"--{what}-images and --{what}-masks are required without --synthetic")
@@ -174,8 +174,8 @@ def _read_set(image_sources, mask_sources, what):
 
 
 def _benchmark(args) -> int:
-    from .trainable.benchmark import scribble_benchmark, write_outputs
-    from .trainable.synthetic import synthetic_dataset
+    from ..synthetic import synthetic_dataset
+    from ..trainable.benchmark import scribble_benchmark, write_outputs
 
     if args.synthetic:
         n_train, n_test = args.synthetic_count
@@ -186,14 +186,14 @@ def _benchmark(args) -> int:
     if args.rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     backbones = {"classical": None}
-    checkpoints = _checkpoints(args.checkpoint, args.backbone) if args.checkpoint else {}
+    checkpoints = checkpoints_by_model(args.checkpoint, args.backbone) if args.checkpoint else {}
     if args.backbone:
-        from .checkpoint import create_backbone
+        from ..models.checkpoint import create_backbone
 
         for name in args.backbone:
             ckpt = checkpoints.get(name)
             model = create_backbone(name, pretrained=args.pretrained and ckpt is None, checkpoint=ckpt,
-                                    **_model_kwargs(args.model_arg))
+                                    **parse_model_args(args.model_arg))
             if ckpt is None and not args.pretrained:
                 print(f"note: {name} is randomly initialised (give --pretrained or --checkpoint for real features)",
                       file=sys.stderr)

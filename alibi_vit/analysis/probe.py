@@ -173,7 +173,7 @@ def layer_fingerprint(model, images: torch.Tensor, layers=None, target: str = "x
     """Per-layer probe of a timm ViT: ``{layer: {"r2": float, "channel_r2": (C,) array}}``."""
     import torch
 
-    from .features import patch_features
+    from ..features import patch_features
 
     layers = list(range(len(model.blocks))) if layers is None else list(layers)
     with torch.no_grad():

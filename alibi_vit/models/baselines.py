@@ -27,7 +27,7 @@ import torch.nn as nn
 from timm.layers import build_sincos2d_pos_embed
 from timm.models.vision_transformer import VisionTransformer, vit_small_patch14_reg4_dinov2
 
-from .models import BASELINE_NAMES
+from .names import BASELINE_NAMES
 
 __all__ = ["BASELINE_NAMES", "DIHEDRAL", "DINOV2_S_POSITIONAL_CHANNELS", "FLIPS", "blank_channels",
            "create_baseline", "sincos_position_embedding", "transform_average"]
@@ -191,7 +191,7 @@ def sincos_position_embedding(model: VisionTransformer, temperature: float = 100
 
 def create_baseline(variant: str, pretrained: bool = False, channels: Sequence[int] = DINOV2_S_POSITIONAL_CHANNELS,
                     **kwargs) -> VisionTransformer:
-    """Build a registered baseline (timm calls this through :mod:`alibi_vit.models`).
+    """Build a registered baseline (timm calls this through :mod:`alibi_vit.models.registry`).
 
     The backbone is timm's DINOv2-S/14-reg4 (``pretrained``: DINOv2's weights through timm) with
     ``dynamic_img_size`` on. ``channels`` is the blanked model's channel list; the sin-cos model's

@@ -88,20 +88,19 @@ def build_backbones(args):
     """Yield (label, name, weights, model in eval mode) one at a time; a RASA checkpoint gives the folded model."""
     import torch
 
-    from .checkpoint import check_model_name, create_backbone
-    from .cli_options import _checkpoints, _model_kwargs
-    from .rasa import load_rasa_backbone
+    from ..models.checkpoint import check_model_name, create_backbone
+    from .options import checkpoints_by_model, parse_model_args
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model_kwargs = _model_kwargs(args.model_arg)
+    model_kwargs = parse_model_args(args.model_arg)
     pairs = parse_backbones(args.backbones)
-    checkpoints = _checkpoints(args.checkpoint, [label for label, _ in pairs])
+    checkpoints = checkpoints_by_model(args.checkpoint, [label for label, _ in pairs])
     for _, name in pairs:
         check_model_name(name)
     for label, name in pairs:
         checkpoint = checkpoints.get(label)
         if checkpoint is not None:
-            model, weights = load_rasa_backbone(name, checkpoint, **model_kwargs), str(checkpoint)
+            model, weights = create_backbone(name, checkpoint=checkpoint, **model_kwargs), str(checkpoint)
         else:
             model = create_backbone(name, pretrained=args.pretrained, **model_kwargs)
             weights = "pretrained" if args.pretrained else "random init"
@@ -130,8 +129,8 @@ def backbone_features(model, loader, max_images: int | None = None, num_classes:
     import numpy as np
     import torch
 
-    from .features import patch_features
-    from .overclustering import labels_to_patch_grid
+    from ..analysis.overclustering import labels_to_patch_grid
+    from ..features import patch_features
 
     device = next(model.parameters()).device
     n_images = len(loader.dataset) if max_images is None else min(max_images, len(loader.dataset))
@@ -157,7 +156,7 @@ def backbone_features(model, loader, max_images: int | None = None, num_classes:
 
 def voc_patch_features(model, datamodule, max_images: int | None = None):
     """(features (M, C) float16, labels (M,) uint8) of a VOC datamodule's validation split through ``model``."""
-    from .cli_options import check_image_size
+    from .options import check_image_size
 
     check_image_size(datamodule.image_size[0], model)
     return backbone_features(model, datamodule.val_dataloader(), max_images)
@@ -170,9 +169,9 @@ def positional_r2_of(model, image_set: str, size: int, batch_size: int = 8) -> f
 
     import torch
 
-    from .features import patch_features
-    from .images import load_image_set, normalize
-    from .probe import positional_r2
+    from ..analysis.probe import positional_r2
+    from ..features import patch_features
+    from ..images import load_image_set, normalize
 
     device = next(model.parameters()).device
     images = [normalize(img) for _, img in load_image_set(image_set, size)]
@@ -221,15 +220,15 @@ def run(args) -> int:
 
     from datamodules.segmentation import VOC_CLASSES
 
-    from .cli_options import _checkpoints, check_image_size
-    from .overclustering import overclustering
+    from ..analysis.overclustering import overclustering
+    from .options import check_image_size, checkpoints_by_model
 
     check_image_size(args.size)
     for k in args.k:
         if k < len(VOC_CLASSES):
             raise ValueError(f"--k {k} is fewer than VOC's {len(VOC_CLASSES)} classes; OverClustering needs k >= 21")
     labels_given = [label for label, _ in parse_backbones(args.backbones)]
-    probes = _checkpoints(args.probe_checkpoint, labels_given) if args.probe_checkpoint else {}
+    probes = checkpoints_by_model(args.probe_checkpoint, labels_given) if args.probe_checkpoint else {}
     for path in probes.values():
         if not Path(path).is_file():
             raise FileNotFoundError(f"probe checkpoint {path} does not exist")

@@ -20,11 +20,9 @@ cannot be had, or that cannot be built, is listed as skipped with the reason.
 from __future__ import annotations
 
 import argparse
-import csv
 from pathlib import Path
 
-from .probe import MIN_TRAIN, TARGETS, fitted_patches
-
+from ..analysis.probe import MIN_TRAIN, TARGETS, fitted_patches
 
 # The paper's Tab. 1–2 rows this project can build: (row, model name[.tag], paper (x, y) R² on
 # micrographs / textures / uniform noise, or None where README.md "Method" §5 gives none).
@@ -43,7 +41,7 @@ PAPER_SETS = ("micrographs", "textures", "noise")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .cli_options import add_image_arguments, add_model_arguments
+    from .options import add_image_arguments, add_model_arguments
 
     add_model_arguments(parser)
     for action in parser._actions:  # --paper-table names its own models
@@ -71,34 +69,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("probe_results.csv"), help="CSV file to write")
 
 
-def _features(model, images, batch_size, layers):
-    import torch
-    from tqdm.auto import tqdm
-
-    from .features import patch_features
-
-    device = next(model.parameters()).device
-    out = {}
-    with torch.no_grad():
-        for start in tqdm(range(0, len(images), batch_size), desc="features", leave=False):
-            batch = torch.stack(images[start:start + batch_size]).to(device)
-            feats = patch_features(model, batch, layers=layers)
-            # The last block's output through the final norm is the final feature map: no second forward.
-            feats = {"final": feats} if layers is None else {**feats, "final": feats[layers[-1]]}
-            for key, value in feats.items():
-                out.setdefault(key, []).append(value.float().cpu())
-    return {key: torch.cat(chunks) for key, chunks in out.items()}
-
-
 def run(args) -> int:
     import warnings
 
     import numpy as np
     from tqdm.auto import tqdm
 
-    from .cli_options import build_models, check_image_size, images_from_args, weights_of
-    from .images import normalize
-    from .probe import per_channel_r2, positional_r2
+    from ..analysis.probe import per_channel_r2, positional_r2
+    from ..images import normalize
+    from .options import build_models, check_image_size, images_from_args, model_features, weights_of, write_csv
 
     check_image_size(args.size)
     if args.paper_table:
@@ -114,7 +93,7 @@ def run(args) -> int:
     rows, channel_rows, fingerprints = [], [], {}
     for name, model in build_models(args):
         layers = list(range(len(model.blocks))) if args.per_layer else None
-        feats = _features(model, images, args.batch_size, layers)
+        feats = model_features(model, images, args.batch_size, layers)
         h, w = feats["final"].shape[-2:]
         n_train = fitted_patches(h * w, args.fraction, args.min_train)
         for layer, f in tqdm(feats.items(), desc=f"probe {name}", leave=False):
@@ -137,11 +116,11 @@ def run(args) -> int:
                                              args.fingerprint_target: value})
         del model
     _print_table(rows, args.targets, args.fraction)
-    _write_csv(args.out, rows)
+    write_csv(args.out, rows)
     print(f"wrote {args.out}")
     if channel_rows:
         channel_path = args.out.with_name(args.out.stem + "_channels.csv")
-        _write_csv(channel_path, channel_rows)
+        write_csv(channel_path, channel_rows)
         print(f"wrote {channel_path}")
     if args.plot:
         layer_rows = [r for r in rows if r["layer"] != "final"]
@@ -159,11 +138,11 @@ def run_paper_table(args) -> int:
     """``--paper-table``: the (x, y) R² of every :data:`PAPER_ROWS` model that can be built, beside the paper's."""
     import warnings
 
-    from .checkpoint import create_backbone
-    from .cli_options import _checkpoints, _model_kwargs, images_from_args
-    from .features import patch_features
-    from .images import normalize
-    from .probe import positional_r2
+    from ..analysis.probe import positional_r2
+    from ..features import patch_features
+    from ..images import normalize
+    from ..models.checkpoint import create_backbone
+    from .options import checkpoints_by_model, images_from_args, parse_model_args, write_csv
 
     if args.models:
         raise ValueError("--paper-table runs its own models; drop --model (use --checkpoint NAME=PATH for their "
@@ -176,8 +155,8 @@ def run_paper_table(args) -> int:
     import torch
 
     names = [name for _, name, _ in PAPER_ROWS]
-    checkpoints = _checkpoints(args.checkpoint, names)
-    model_kwargs = _model_kwargs(args.model_arg)
+    checkpoints = checkpoints_by_model(args.checkpoint, names)
+    model_kwargs = parse_model_args(args.model_arg)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     images = torch.stack([normalize(img) for _, img in images_from_args(args)])
@@ -202,7 +181,7 @@ def run_paper_table(args) -> int:
             row["xy"] = positional_r2(feats, "xy", args.fraction, args.repeats, args.seed, min_train=args.min_train)
         del model
     _print_paper_table(rows, args, len(images))
-    _write_csv(args.out, [{**r, "images": args.images, "num_images": len(images), "size": args.size} for r in rows])
+    write_csv(args.out, [{**r, "images": args.images, "num_images": len(images), "size": args.size} for r in rows])
     print(f"wrote {args.out}")
     return 0
 
@@ -234,13 +213,6 @@ def _print_paper_table(rows, args, num_images):
         for r in skipped:
             print(f"  {r['row']} ({r['model']}): {r['skipped']}")
     print("— : the paper gives no number for this row")
-
-
-def _write_csv(path, rows):
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 def _print_table(rows, targets, fraction):

@@ -18,8 +18,8 @@ Functions:
 - :func:`remove_planes`: features (B, C, h, w) or (B, N, C) with the planes removed, in order;
 - :func:`projection_matrix`: L of a list of planes;
 - :func:`orthogonalize_planes`: planes whose later members are made orthogonal to earlier ones;
-- :func:`fold_planes` / :func:`folded_projection`: put L into a model / read it back;
-- :func:`load_rasa_backbone`: rebuild a folded backbone from a state_dict file with ``rasa_projection``.
+- :func:`fold_planes`: put L into a model (:func:`alibi_vit.models.projection.folded_projection` reads
+  it back; ``alibi_vit.create_backbone(name, checkpoint=...)`` rebuilds a folded model from its file).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-__all__ = ["PROJECTION_KEY", "attach_projection", "fold_planes", "folded_projection", "load_rasa_backbone", "orthogonalize_planes",
-           "orthonormal_plane", "projection_matrix", "remove_planes"]
+from ..models.projection import PROJECTION_KEY, attach_projection, folded_projection
 
-# The one key a folded model adds to its timm state_dict.
-PROJECTION_KEY = "rasa_projection"
+__all__ = ["PROJECTION_KEY", "fold_planes", "orthogonalize_planes", "orthonormal_plane", "projection_matrix",
+           "remove_planes"]
+
 # A second row whose part orthogonal to the first is below this fraction of its length spans no plane.
 _RANK_TOL = 1e-6
 
@@ -142,45 +142,6 @@ def orthogonalize_planes(planes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-class _RemovePlanesHook:
-    """Forward hook on the final norm: patch tokens → ``x Lᵀ`` with the model's ``rasa_projection``."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def __call__(self, module, inputs, output):
-        if not isinstance(output, torch.Tensor) or output.dim() != 3:
-            return output
-        L = getattr(self.model, PROJECTION_KEY)
-        p = self.model.num_prefix_tokens
-        patches = output[:, p:]
-        cleaned = (patches.to(L.dtype) @ L.T).to(output.dtype)
-        return torch.cat([output[:, :p], cleaned], dim=1)
-
-
-def folded_projection(model: nn.Module) -> torch.Tensor | None:
-    """The (C, C) matrix a folded model applies (``x Lᵀ``), or None for an unfolded model."""
-    return getattr(model, PROJECTION_KEY, None) if _hook_of(model) is not None else None
-
-
-def _hook_of(model: nn.Module):
-    norm = getattr(model, "norm", None)
-    if norm is None:
-        return None
-    for hook in norm._forward_hooks.values():
-        if isinstance(hook, _RemovePlanesHook):
-            return hook
-    return None
-
-
-def attach_projection(model: nn.Module, L: torch.Tensor) -> None:
-    """Give ``model`` the buffer ``rasa_projection`` = ``L`` and the hook that applies it (before loading a RASA file)."""
-    param = next(model.parameters())
-    dtype = torch.float64 if param.dtype == torch.float64 else torch.float32  # never coarser than float32
-    model.register_buffer(PROJECTION_KEY, L.to(device=param.device, dtype=dtype).contiguous())
-    model.norm.register_forward_hook(_RemovePlanesHook(model))
-
-
 def fold_planes(model: nn.Module, planes: Sequence[torch.Tensor], *, inplace: bool = False) -> nn.Module:
     """The model with the planes removed from the patch tokens of its final norm.
 
@@ -195,7 +156,7 @@ def fold_planes(model: nn.Module, planes: Sequence[torch.Tensor], *, inplace: bo
     (stored as the buffer ``rasa_projection``, float32 or the model's float64; the product is formed in
     float64). CLS and register tokens are untouched. Intermediate layers read through the final norm
     (``forward_intermediates(norm=True)``) get the same projection. Its state_dict is the timm
-    state_dict plus ``rasa_projection``; :func:`load_rasa_backbone` rebuilds it from a file.
+    state_dict plus ``rasa_projection``; ``alibi_vit.create_backbone(name, checkpoint=FILE)`` rebuilds it.
     Folding an already folded model composes the projections.
 
     Models whose final features are changed after the norm (the ``blanked_`` baseline zeroes
@@ -217,14 +178,3 @@ def fold_planes(model: nn.Module, planes: Sequence[torch.Tensor], *, inplace: bo
     attach_projection(model, L)
     return model
 
-
-def load_rasa_backbone(name: str, checkpoint, **model_kwargs) -> nn.Module:
-    """A backbone built by name whose weights (and ``rasa_projection``, when present) come from ``checkpoint``.
-
-    The same as ``alibi_vit.create_backbone(name, checkpoint=...)``, which folds a model whose
-    file holds ``rasa_projection`` (so every command that takes ``--checkpoint`` takes a RASA
-    export). Keys and shapes are checked strictly either way.
-    """
-    from .checkpoint import create_backbone
-
-    return create_backbone(name, checkpoint=checkpoint, **model_kwargs)

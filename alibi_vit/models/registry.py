@@ -10,17 +10,18 @@ released, distilled models are tags (README.md "Method" §10), fetched from the 
 - ``alibi_vit_small_patch14_reg4_dinov2.dinosaw_coco``: ALiBi-Dv2 distilled on COCO;
 - ``alibi_vit_small_patch14_reg4_dinov2.dinosaw_imagenet``: ALiBi-Dv2 distilled on an ImageNet subset;
 - ``nope_vit_small_patch14_reg4_dinov2.dinosaw_coco``: the NoPE baseline distilled on COCO;
-- ``alibi_vit_small_plus_patch16_dinov3.dinosaw_coco``: ALiBi-Dv3 (see :mod:`alibi_vit.dinov3`).
+- ``alibi_vit_small_plus_patch16_dinov3.dinosaw_coco``: ALiBi-Dv3 (see :mod:`alibi_vit.models.dinov3`).
 
 They load into the converted model (a missing or zero ``pos_embed`` is fine, a learned one an
 error); so does a local file in that format with ``checkpoint_path=...`` or
 ``pretrained_cfg_overlay=dict(file=...)``; keys are matched strictly. An unknown tag is an error
 listing the known ones.
 
-The builders live in :mod:`alibi_vit.vision_transformer`, :mod:`alibi_vit.dinov3` and
-:mod:`alibi_vit.baselines` and are imported when a model is built: this module imports no
-sibling module, so importing any of them first (which imports timm, which imports this module)
-never meets a half-initialised one.
+The names live in :mod:`alibi_vit.models.names`; the builders live in the conversions
+(:mod:`~alibi_vit.models.vision_transformer`, :mod:`~alibi_vit.models.dinov3`,
+:mod:`~alibi_vit.models.baselines`) and are imported when a model is built. A conversion never
+imports this module, and this module imports no conversion at import time, so importing a
+conversion first (which imports timm, which imports this module) never meets a half-initialised one.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ from timm.layers import SwiGLUPacked
 from timm.models import build_model_with_cfg, generate_default_cfgs, load_pretrained, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
-POSITION_KWARGS = ("slopes", "wrap", "normalize", "jitter", "jitter_seed", "backend", "metric")
-RELEASE_HUB_ID = "rmdocherty/dino-saw"
+from .names import BASELINE_NAMES, DINOV2_NAMES, DINOV2_SIZES, DINOV3_NAMES, DINOV3_SIZES, RELEASE_HUB_ID, RELEASES
 
 _DINOV2_ARCHS = {
     "small": dict(embed_dim=384, depth=12, num_heads=6),
@@ -43,28 +43,14 @@ _DINOV2_ARCHS = {
     "giant": dict(embed_dim=1536, depth=40, num_heads=24, mlp_ratio=2.66667 * 2, mlp_layer=SwiGLUPacked,
                   act_layer=nn.SiLU),
 }
+assert tuple(_DINOV2_ARCHS) == DINOV2_SIZES
 _DINOV2_COMMON = dict(patch_size=14, init_values=1e-5, reg_tokens=4, no_embed_class=True)
-DINOV3_SIZES = ("small", "small_plus", "base", "large")  # timm's vit_{size}_patch16_dinov3
 
 _DINOV2_CFG = dict(license="apache-2.0", mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD, num_classes=0,
                    input_size=(3, 518, 518), crop_pct=1.0,
                    fixed_input_size=True)  # sets the default img_size: pos_embed keeps the released (1, 1369, C) shape
 _DINOV3_CFG = dict(license="dinov3-license", mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD, num_classes=0,
                    input_size=(3, 224, 224), crop_pct=1.0, fixed_input_size=False)
-# The paper's released checkpoints (README.md "Method" §10) on the hub repo RELEASE_HUB_ID.
-RELEASES = {
-    "alibi_vit_small_patch14_reg4_dinov2.dinosaw_coco": "alibi_coco_dv2_vits14_reg4.pth",
-    "alibi_vit_small_patch14_reg4_dinov2.dinosaw_imagenet": "alibi_dv2_vits14_reg4.pth",
-    "nope_vit_small_patch14_reg4_dinov2.dinosaw_coco": "nope_coco_dv2_vits14_reg4.pth",
-    "alibi_vit_small_plus_patch16_dinov3.dinosaw_coco": "alibi_coco_dv3_vits16_plus_reg4.pth",
-}
-BASELINE_NAMES = ("blanked_vit_small_patch14_reg4_dinov2", "tavg_vit_small_patch14_reg4_dinov2",
-                  "sincos_vit_small_patch14_reg4_dinov2")
-
-DINOV2_NAMES = tuple(f"{p}_vit_{s}_patch14_reg4_dinov2" for p in ("alibi", "nope") for s in _DINOV2_ARCHS)
-DINOV3_NAMES = tuple(f"{p}_vit_{s}_patch16_dinov3" for p in ("alibi", "nope") for s in DINOV3_SIZES)
-# Every ALiBi/NoPE model of this project (no absolute position, any image size); tags excluded.
-MODEL_NAMES = DINOV2_NAMES + DINOV3_NAMES
 
 # The original weights come first: the default tag of every name is theirs (.lvd142m DINOv2,
 # .lvd1689m DINOv3), the start of distillation; the releases are the other tags.
@@ -97,7 +83,9 @@ def check_tag(variant: str, pretrained_cfg) -> str:
 
 
 def _create_dinov2(variant: str, size: str, position: str, pretrained: bool, **kwargs) -> VisionTransformer:
-    from .vision_transformer import convert_to_alibi, convert_to_nope, strict_filter
+    from .attention import POSITION_KWARGS
+    from .formats import strict_filter
+    from .vision_transformer import convert_to_alibi, convert_to_nope
 
     released = f"{variant}.{check_tag(variant, kwargs.get('pretrained_cfg'))}" in RELEASES
     position_kwargs = {k: kwargs.pop(k) for k in POSITION_KWARGS if k in kwargs}

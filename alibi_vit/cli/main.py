@@ -1,8 +1,9 @@
 """The ``alibi-vit`` command: one entry point, one subcommand per tool.
 
-Each subcommand lives in its own module that exposes ``add_arguments(parser)`` and
-``run(args) -> int``; it is imported only when chosen, so ``alibi-vit probe`` never pays for
-Lightning or the segmentation code, and ``alibi-vit --help`` imports none of them.
+Each subcommand lives in its own module of this package, named after it, that exposes
+``add_arguments(parser)`` and ``run(args) -> int``; it is imported only when chosen, so
+``alibi-vit probe`` never pays for Lightning or the segmentation code, and ``alibi-vit --help``
+imports none of them.
 
 Errors in what the user gave (a ``ValueError``, a missing or unreadable file) are printed as
 ``alibi-vit COMMAND: error: ...`` with exit status 2, warnings as ``alibi-vit COMMAND: warning: ...``;
@@ -16,15 +17,15 @@ import importlib
 import sys
 import warnings
 
+# Subcommand → its help line; the code is the module alibi_vit.cli.<subcommand>.
 SUBCOMMANDS = {
-    "probe": ("alibi_vit.probe_cli", "positional-bias linear probe: R² of position from patch features"),
-    "show": ("alibi_vit.show_cli", "feature maps (PCA, k-means, similarity) side by side for several models"),
-    "robustness": ("lit_modules.robustness", "segmentation probe under flip, roll and rot90 (paper Tab. S3)"),
-    "export": ("lit_modules.export", "export a distilled student from a Lightning checkpoint as a timm state_dict"),
-    "channels": ("alibi_vit.channels_cli", "a teacher's most positional channels, ranked by per-channel positional R²"),
-    "overcluster": ("alibi_vit.overcluster_cli", "OverClustering mIoU of frozen backbones on Pascal VOC, with positional R² "
-                    "and probe mIoU side by side"),
-    "segment": ("alibi_vit.segment_cli", "trainable segmentation of micrographs: train, apply, benchmark"),
+    "probe": "positional-bias linear probe: R² of position from patch features",
+    "show": "feature maps (PCA, k-means, similarity) side by side for several models",
+    "robustness": "segmentation probe under flip, roll and rot90 (paper Tab. S3)",
+    "export": "export a distilled student from a Lightning checkpoint as a timm state_dict",
+    "channels": "a teacher's most positional channels, ranked by per-channel positional R²",
+    "overcluster": "OverClustering mIoU of frozen backbones on Pascal VOC, with positional R² and probe mIoU side by side",
+    "segment": "trainable segmentation of micrographs: train, apply, benchmark",
 }
 
 # Longer messages are cut (the useful part of an error comes first): lines, and characters per line.
@@ -35,9 +36,8 @@ _MAX_LINE = 400
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="alibi-vit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(_module=module)
+    for name, help_text in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, description=help_text)
     return parser
 
 
@@ -63,8 +63,8 @@ def main(argv=None) -> int:
     # Parse the subcommand first, then let its module add its own options.
     known, _ = parser.parse_known_args(argv[:1] if argv else argv)
     prog = f"alibi-vit {known.command}"
-    module = importlib.import_module(known._module)
-    sub = argparse.ArgumentParser(prog=prog, description=SUBCOMMANDS[known.command][1])
+    module = importlib.import_module(f"{__package__}.{known.command}")
+    sub = argparse.ArgumentParser(prog=prog, description=SUBCOMMANDS[known.command])
     module.add_arguments(sub)
     args = sub.parse_args(argv[1:])
 

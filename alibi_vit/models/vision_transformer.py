@@ -15,86 +15,13 @@ ignore it. A checkpoint of a DINOv3 model is refused with an error naming both a
 from __future__ import annotations
 
 import torch
-from timm.layers import Attention, Format
+from timm.layers import Attention
 from timm.models.vision_transformer import VisionTransformer
 
-from .attention import AlibiAttention, PatchGrid
+from .attention import AlibiAttention, PatchGrid, hand_over_patch_grid
+from .formats import DINOV3_META, DINOV3_TIMM, AdaptsStateDict, architecture_name, checkpoint_family
 
-__all__ = ["AlibiVisionTransformer", "checkpoint_family", "convert_to_alibi", "convert_to_nope", "strict_filter"]
-
-DINOV3_META, DINOV3_TIMM, VIT = "DINOv3 (Meta's dinov3 format)", "DINOv3 (timm Eva format)", "DINOv2-style ViT"
-
-
-def checkpoint_family(state_dict) -> str | None:
-    """Which architecture family a state_dict's keys belong to, or None when they do not say.
-
-    Meta's dinov3 code names its 4 extra tokens ``storage_tokens``; timm's DINOv3 (Eva) uses
-    ``blocks.i.gamma_1`` for LayerScale and has no ``qkv.bias``; timm's VisionTransformer
-    (DINOv2, DINO, MAE) has ``pos_embed``, ``ls1.gamma`` or a fused ``qkv.bias``.
-    """
-    keys = list(state_dict)
-    if "storage_tokens" in state_dict:
-        return DINOV3_META
-    if any(k.endswith((".gamma_1", ".q_bias")) or k.startswith("rope.") for k in keys):
-        return DINOV3_TIMM
-    if "pos_embed" in state_dict or "register_tokens" in state_dict or any(
-            k.endswith((".ls1.gamma", ".attn.qkv.bias")) for k in keys):
-        return VIT
-    return None
-
-
-def architecture_name(model) -> str:
-    """The timm name a model was built under (``pretrained_cfg['architecture']``), else its class."""
-    cfg = getattr(model, "pretrained_cfg", None) or {}
-    return cfg.get("architecture") or type(model).__name__
-
-
-def strict_filter(state_dict: dict, model) -> dict:
-    """timm ``pretrained_filter_fn``: the model's ``adapt_state_dict``, then an exact key and shape check.
-
-    timm's loader turns strict loading off when the classifier differs; this check keeps it on
-    for everything but the classifier (``head.*``).
-    """
-    state = model.adapt_state_dict(state_dict)
-    own = model.state_dict()
-    missing = sorted(k for k in own if k not in state and not k.startswith("head."))
-    unexpected = sorted(k for k in state if k not in own)
-    shapes = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
-                    for k in state if k in own and state[k].shape != own[k].shape)
-    if missing or unexpected or shapes:
-        parts = [f"{title} ({len(keys)}): {', '.join(keys[:5])}" for title, keys in
-                 (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", shapes)) if keys]
-        raise ValueError(f"pretrained weights do not match {architecture_name(model)}: " + "; ".join(parts))
-    return state
-
-
-def hand_over_patch_grid(model) -> None:
-    """Let the patch embedding take any image size and hand its (h, w) grid over in NHWC layout.
-
-    The attention layers read the grid from it (no position embedding resizes anything).
-    """
-    model.dynamic_img_size = True
-    model.patch_embed.strict_img_size = False
-    model.patch_embed.flatten = False
-    model.patch_embed.output_fmt = Format.NHWC
-
-
-class AdaptsStateDict:
-    """Mixin for models with an ``adapt_state_dict``: their keys are replaced by its result on loading.
-
-    ``_load_from_state_dict`` is the step every way into a model passes (``load_state_dict``, timm's
-    ``checkpoint_path`` and pretrained loading, a parent module's checkpoint), before any key is compared.
-    """
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        local = {k[len(prefix):]: k for k in state_dict if k.startswith(prefix)}
-        adapted = self.adapt_state_dict({k: state_dict[full] for k, full in local.items()})
-        for full in local.values():
-            del state_dict[full]
-        state_dict.update({prefix + k: v for k, v in adapted.items()})
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+__all__ = ["AlibiVisionTransformer", "convert_to_alibi", "convert_to_nope"]
 
 
 class AlibiVisionTransformer(AdaptsStateDict, VisionTransformer):
@@ -179,7 +106,7 @@ def convert_to_alibi(model: VisionTransformer, *, slopes: str = "constant", wrap
     """Turn a timm VisionTransformer (DINOv2, DINO, MAE, with or without registers) into an ALiBi ViT.
 
     A timm DINOv3 ``Eva`` (``vit_*_patch16_dinov3``) is converted too: RoPE is switched off and the
-    result is an :class:`alibi_vit.dinov3.AlibiEva`.
+    result is an :class:`alibi_vit.models.dinov3.AlibiEva`.
 
     In place (the same object is returned): ``pos_embed`` is zeroed, frozen and no longer
     added; every attention layer adds ``m_h · B`` with ``B`` the 2D bias of README.md "Method" §2.

@@ -1,19 +1,21 @@
-"""Options shared by the ``alibi-vit`` subcommands that run backbones on images (probe, show)."""
+"""What several ``alibi-vit`` subcommands share: the model and image options, building the models they name,
+their patch features in batches, and writing result tables."""
 
 from __future__ import annotations
 
 import argparse
 import ast
+import csv
 import sys
 from typing import TYPE_CHECKING
 
-from .images import BUNDLED_SETS, load_image_set
+from ..images import BUNDLED_SETS, load_image_set
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["add_image_arguments", "add_model_arguments", "build_models", "check_image_size", "images_from_args",
-           "weights_of"]
+__all__ = ["add_image_arguments", "add_model_arguments", "build_models", "check_image_size", "checkpoints_by_model",
+           "images_from_args", "model_features", "parse_model_args", "weights_of", "write_csv"]
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +34,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_image_arguments(parser: argparse.ArgumentParser, default_size: int) -> None:
-    from .images import INTENSITY_MODES, PERCENTILES
+    from ..images import INTENSITY_MODES, PERCENTILES
 
     parser.add_argument("--images", required=True, metavar="DIR|FILE|SET|noise",
                         help=f"a folder of images (searched recursively), one image file, a bundled set "
@@ -52,7 +54,8 @@ def images_from_args(args) -> list[tuple[str, torch.Tensor]]:
                           intensity=getattr(args, "intensity", "auto"))
 
 
-def _model_kwargs(items):
+def parse_model_args(items):
+    """``--model-arg KEY=VALUE`` items as keyword arguments, values read as Python literals where they parse."""
     kwargs = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -66,7 +69,8 @@ def _model_kwargs(items):
     return kwargs
 
 
-def _checkpoints(items, models):
+def checkpoints_by_model(items, models):
+    """``--checkpoint [NAME=]PATH`` items as ``{model name: path}``; NAME may be left out with one model."""
     found = {}
     for item in items:
         name, sep, path = item.partition("=")
@@ -82,7 +86,7 @@ def _checkpoints(items, models):
 
 def weights_of(args) -> dict[str, str]:
     """Where each model's weights come from: its checkpoint path, 'pretrained' or 'random init'."""
-    checkpoints = _checkpoints(args.checkpoint, args.models)
+    checkpoints = checkpoints_by_model(args.checkpoint, args.models)
     return {name: str(checkpoints[name]) if name in checkpoints else "pretrained" if args.pretrained else "random init"
             for name in args.models}
 
@@ -105,11 +109,11 @@ def build_models(args):
     """
     import torch
 
-    from .checkpoint import check_model_name, create_backbone
+    from ..models.checkpoint import check_model_name, create_backbone
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model_kwargs = _model_kwargs(args.model_arg)
-    checkpoints = _checkpoints(args.checkpoint, args.models)
+    model_kwargs = parse_model_args(args.model_arg)
+    checkpoints = checkpoints_by_model(args.checkpoint, args.models)
     for name in args.models:  # every name checked before the first model is built
         check_model_name(name)
     for name in args.models:
@@ -122,3 +126,35 @@ def build_models(args):
             print(f"note: {name} is randomly initialised (give --pretrained or --checkpoint for real features)",
                   file=sys.stderr)
         yield name, model.to(device).eval()
+
+
+def model_features(model, images, batch_size, layers):
+    """Patch features of a list of (3, H, W) images, computed in batches, as float32 on the CPU.
+
+    Returns ``{"final": (B, C, h, w)}`` plus ``{layer: (B, C, h, w)}`` for each of ``layers``
+    (block outputs through the final norm).
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    from ..features import patch_features
+
+    device = next(model.parameters()).device
+    out = {}
+    with torch.no_grad():
+        for start in tqdm(range(0, len(images), batch_size), desc="features", leave=False):
+            batch = torch.stack(images[start:start + batch_size]).to(device)
+            feats = patch_features(model, batch, layers=layers)
+            # The last block's output through the final norm is the final feature map: no second forward.
+            feats = {"final": feats} if layers is None else {**feats, "final": feats[layers[-1]]}
+            for key, value in feats.items():
+                out.setdefault(key, []).append(value.float().cpu())
+    return {key: torch.cat(chunks) for key, chunks in out.items()}
+
+
+def write_csv(path, rows):
+    """``rows`` (dicts with the same keys) as a CSV file with a header."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)

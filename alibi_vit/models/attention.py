@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import Attention
+from timm.layers import Attention, Format
 from timm.models.eva import EvaAttention
 
 from kernels import alibi_attention
@@ -21,6 +21,8 @@ from kernels.alibi_bias import check_metric, patch_distances
 from kernels.attention import BACKENDS
 
 SLOPE_SCHEMES = ("constant", "learned", "geometric")
+# The keyword arguments of configure_position (and of convert_to_alibi): how position enters the attention.
+POSITION_KWARGS = ("slopes", "wrap", "normalize", "jitter", "jitter_seed", "backend", "metric")
 
 
 class PatchGrid:
@@ -34,6 +36,17 @@ class PatchGrid:
 
     def __repr__(self):
         return f"PatchGrid(size={self.size})"
+
+
+def hand_over_patch_grid(model) -> None:
+    """Let the patch embedding take any image size and hand its (h, w) grid over in NHWC layout.
+
+    The attention layers read the grid from it (no position embedding resizes anything).
+    """
+    model.dynamic_img_size = True
+    model.patch_embed.strict_img_size = False
+    model.patch_embed.flatten = False
+    model.patch_embed.output_fmt = Format.NHWC
 
 
 def initial_slopes(scheme: str, num_heads: int) -> torch.Tensor:

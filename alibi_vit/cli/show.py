@@ -1,6 +1,6 @@
 """``alibi-vit show``: feature maps (PCA, k-means, similarity) of several models side by side.
 
-One PNG per image, one row per model; the panels are described in :mod:`alibi_vit.feature_maps`.
+One PNG per image, one row per model; the panels are described in :mod:`alibi_vit.analysis.feature_maps`.
 Heavy modules load inside :func:`run`, so ``alibi-vit show --help`` answers at once.
 """
 
@@ -10,7 +10,7 @@ import argparse
 import re
 from pathlib import Path
 
-from .cli_options import add_image_arguments, add_model_arguments, build_models, images_from_args
+from .options import add_image_arguments, add_model_arguments, build_models, images_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output folder for one PNG per image")
     parser.add_argument("--k", type=int, default=4, help="k-means clusters")
     parser.add_argument("--n-init", type=int, default=None,
-                        help="k-means initialisations (default: 15, the paper's; alibi_vit.feature_maps.N_INIT)")
+                        help="k-means initialisations (default: 15, the paper's; alibi_vit.analysis.feature_maps.N_INIT)")
     parser.add_argument("--pca", choices=("joint", "per-image"), default="joint",
                         help="fit each model's PCA once on all images' patches, so colours mean the same in every "
                              "image (joint, default; paper Fig. S13), or on each image alone (per-image)")
@@ -34,10 +34,10 @@ def run(args) -> int:
     from PIL import Image
     from tqdm.auto import tqdm
 
-    from .cli_options import check_image_size, weights_of
-    from .feature_maps import N_INIT, PCAColouring, feature_map_grid
-    from .features import patch_features
-    from .images import normalize
+    from ..analysis.feature_maps import N_INIT, PCAColouring, feature_map_grid
+    from ..features import patch_features
+    from ..images import normalize
+    from .options import check_image_size, weights_of
 
     check_image_size(args.size)
     images = images_from_args(args)

@@ -19,7 +19,7 @@ are never mixed: each has its own feature space.
 Positional bias shows up as colour ramps in the PCA panels, clusters that follow image
 position instead of content, and similarity maps that decay with distance from the query.
 
-The ``alibi-vit show`` command (``alibi_vit/show_cli.py``)::
+The ``alibi-vit show`` command (``alibi_vit/cli/show.py``)::
 
     alibi-vit show --models vit_small_patch14_reg4_dinov2 alibi_vit_small_patch14_reg4_dinov2 \\
         --checkpoint alibi_vit_small_patch14_reg4_dinov2=alibi_dv2_s14.pth \\
@@ -34,8 +34,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .features import patch_features
-from .images import normalize
+from ..features import patch_features
+from ..images import normalize
 
 __all__ = [
     "COLORBAR_WIDTH", "COLUMNS", "LABEL_HEIGHT", "PAD", "PCAColouring", "cosine_similarity_map", "feature_map_grid",

@@ -1,7 +1,7 @@
 """ALiBi and NoPE DINOv3: timm's DINOv3 ViTs (``vit_*_patch16_dinov3``, an ``Eva``) with RoPE off.
 
 ``alibi_vit_{small,small_plus,base,large}_patch16_dinov3`` add the 2D bias of README.md "Method"
-§2 in every attention layer (the same :class:`~alibi_vit.attention.PositionBias` path as the
+§2 in every attention layer (the same :class:`~alibi_vit.models.attention.PositionBias` path as the
 DINOv2 models, every backend); ``nope_vit_*_patch16_dinov3`` have no position at all. The prefix
 is CLS + 4 storage tokens (5 tokens), the patch size 16, and any image size that is a multiple
 of 16 works. With wrap on, the model is exactly equivariant to rolling the image by whole
@@ -30,12 +30,11 @@ from timm.layers import LayerNorm
 from timm.models import build_model_with_cfg, load_pretrained
 from timm.models.eva import Eva, EvaAttention
 
-from .attention import AlibiEvaAttention, PatchGrid
-from .models import DINOV3_NAMES, DINOV3_SIZES, POSITION_KWARGS
-from .vision_transformer import (DINOV3_META, VIT, AdaptsStateDict, architecture_name, checkpoint_family,
-                                 hand_over_patch_grid, strict_filter)
+from .attention import POSITION_KWARGS, AlibiEvaAttention, PatchGrid, hand_over_patch_grid
+from .formats import DINOV3_META, VIT, AdaptsStateDict, architecture_name, checkpoint_family, strict_filter
+from .names import DINOV3_SIZES
 
-__all__ = ["DINOV3_NAMES", "AlibiEva", "convert_eva", "create_dinov3", "meta_to_timm"]
+__all__ = ["AlibiEva", "convert_eva", "create_dinov3", "meta_to_timm"]
 
 # timm's DINOv3 architectures (timm.models.eva), RoPE and absolute position both off.
 _DINOV3_COMMON = dict(patch_size=16, dynamic_img_size=True, qkv_bias=False, init_values=1e-5, num_reg_tokens=4,
@@ -156,7 +155,7 @@ def convert_eva(model: Eva, *, use_bias: bool = True, slopes: str = "constant", 
 
 def create_dinov3(variant: str, size: str, position: str, pretrained: bool, released: bool = False,
                   **kwargs) -> AlibiEva:
-    """Build a registered ALiBi/NoPE DINOv3 (timm calls this through :mod:`alibi_vit.models`)."""
+    """Build a registered ALiBi/NoPE DINOv3 (timm calls this through :mod:`alibi_vit.models.registry`)."""
     position_kwargs = {k: kwargs.pop(k) for k in POSITION_KWARGS if k in kwargs}
     if position == "nope" and position_kwargs:
         raise ValueError(f"NoPE models take no position options, got {sorted(position_kwargs)}")
