@@ -10,7 +10,9 @@ Write the set anywhere (then point any VOC config at it with ``--data.root=ROOT`
 
     python -m datamodules.demo_voc ROOT [--train 32] [--val 8] [--seed 0]
 
-or let ``DemoVOCSegmentation`` write it on first use, as ``configs/probe_demo.yaml`` does.
+or let ``DemoVOCSegmentation`` write it on first use, as ``configs/probe_demo.yaml`` does (a
+Trainer's ``prepare_data``; used without a Trainer, as ``alibi-vit robustness`` does, a missing set
+is an error, never generated).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .segmentation import VOCSegmentation, write_synthetic_voc
+from .segmentation import DatasetLayoutError, VOCSegmentation, write_synthetic_voc
 
 __all__ = ["DemoVOCSegmentation", "main", "write_demo_voc"]
 
@@ -40,8 +42,8 @@ class DemoVOCSegmentation(VOCSegmentation):
     """``VOCSegmentation`` on the generated demo set, written under ``root`` if it is not there yet.
 
     Args:
-        root: folder of the demo set (default ``runs/probe_demo/voc``). It is generated when
-            ``ROOT/VOCdevkit/VOC<year>`` does not exist; an existing folder is used as it is.
+        root: folder of the demo set (default ``runs/probe_demo/voc``). ``prepare_data`` generates it
+            when ``ROOT/VOCdevkit/VOC<year>`` does not exist; an existing folder is used as it is.
         n_train / n_val: images in the train and val splits when generating.
         seed: seed of the generated images.
         Everything else as ``VOCSegmentation`` (``image_size``, ``batch_size``, ``augment``, ...).
@@ -65,7 +67,12 @@ class DemoVOCSegmentation(VOCSegmentation):
             shutil.move(str(Path(tmp) / "VOCdevkit" / f"VOC{self.year}"), str(target))
 
     def setup(self, stage: str | None = None) -> None:
-        self.prepare_data()  # also when used without a Trainer (alibi-vit robustness, notebooks)
+        # Only prepare_data (a Trainer's fit/validate on this datamodule) writes the set: evaluating a
+        # demo checkpoint elsewhere (alibi-vit robustness --data.root TYPO) must not invent data at a typo.
+        if not (self.root / "VOCdevkit" / f"VOC{self.year}").exists():
+            raise DatasetLayoutError(
+                f"the demo VOC set is not in {self.root}: `lightning fit --config configs/probe_demo.yaml` or "
+                f"`python -m datamodules.demo_voc {self.root}` writes it\nexpected layout:\n{self.layout}")
         super().setup(stage)
 
 

@@ -30,6 +30,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from alibi_vit.images import (BUNDLED_SETS, ImageReadError, IntensityMode, bundled_images, check_intensity,
                               list_images, load_image, normalize, resize_center_crop)
 
+from . import DatasetLayoutError
+
 __all__ = ["BundledImagesDataModule", "CocoImagesDataModule", "ImageFileDataset", "ImageFolderDataModule",
            "ResumableDataLoader", "ResumableSampler", "TensorImageDataset"]
 
@@ -240,9 +242,13 @@ class ImageFolderDataModule(_ImageDataModule):
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_set is not None:
             return
-        files = list_images(self.train_dir, recursive=self.recursive)
-        if self.val_dir is not None:
-            train, val = files, list_images(self.val_dir, recursive=self.recursive)
+        try:
+            files = list_images(self.train_dir, recursive=self.recursive)
+            val_files = None if self.val_dir is None else list_images(self.val_dir, recursive=self.recursive)
+        except FileNotFoundError as err:
+            raise DatasetLayoutError(f"{err} (set --data.train_dir / --data.val_dir)") from None
+        if val_files is not None:
+            train, val = files, val_files
         else:
             train, val = _split(files, self.val_fraction, self.seed)
         self.train_set = ImageFileDataset(train, self.image_size, self.skip_unreadable, self.intensity)
@@ -283,7 +289,7 @@ class CocoImagesDataModule(_ImageDataModule):
         folder = self.root / split
         if not folder.is_dir():
             layout = COCO_LAYOUT.format(root=self.root, train=self.train_split, val=self.val_split or "val2017")
-            raise FileNotFoundError(f"COCO image folder {folder} does not exist (set --data.root);\n{layout}")
+            raise DatasetLayoutError(f"COCO image folder {folder} does not exist (set --data.root);\n{layout}")
         if annotations is None:
             return list_images(folder, recursive=False)
         ann = Path(annotations)

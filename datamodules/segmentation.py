@@ -56,6 +56,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from alibi_vit.images import load_image, normalize
 
+from . import DatasetLayoutError
+
 __all__ = [
     "ADE20K_CLASSES", "COCO_STUFF_CLASSES", "COCO_STUFF_CATEGORY_IDS", "IGNORE_INDEX", "VOC_CLASSES",
     "ADE20KSegmentation", "AUGMENTATIONS", "COCOStuffSegmentation", "DatasetLayoutError", "EpochSubsetSampler",
@@ -141,10 +143,6 @@ COCO_STUFF_CLASSES = _COCO_THINGS + _COCO_STUFF
 assert len(VOC_CLASSES) == 21 and len(ADE20K_CLASSES) == 150
 assert len(_COCO_THING_IDS) == len(_COCO_THINGS) == 80
 assert len(COCO_STUFF_CLASSES) == len(COCO_STUFF_CATEGORY_IDS) == 171
-
-
-class DatasetLayoutError(FileNotFoundError):
-    """A dataset root that does not have the documented layout; the message shows the layout expected."""
 
 
 # --------------------------------------------------------------------------------------------

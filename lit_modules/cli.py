@@ -21,6 +21,10 @@ preempted and requeued on a cluster:
   the next step boundary and end the command with exit code 128 + signal number.
 - A fit that fails before its first training step removes the log folder it created (no empty
   ``version_N`` left behind).
+- What the user got wrong is an error message with exit status 2, not a traceback: a
+  configuration that cannot be built, a dataset root without the expected layout (the message
+  shows it), an accelerator the machine lacks (with the CPU options to use instead), a
+  ``--ckpt_path`` that is missing or not a readable checkpoint.
 
 The config is saved with ``overwrite=True`` because a requeued job reuses its log folder.
 """
@@ -29,11 +33,14 @@ from __future__ import annotations
 
 import glob
 import os
+import pickle
 import shutil
 import sys
 from typing import Iterable, Optional
 
+import torch
 from jsonargparse import Namespace
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -41,6 +48,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from datamodules import DatasetLayoutError
 from lit_modules.callbacks import LastCheckpoint
 
 __all__ = ["ConfigurationError", "ProjectCLI", "cli", "main", "newest_resume_checkpoint"]
@@ -70,6 +78,23 @@ def _same_dir(a, b) -> bool:
     return os.path.abspath(os.path.expanduser(str(a))) == os.path.abspath(os.path.expanduser(str(b)))
 
 
+def check_checkpoint_file(path) -> None:
+    """A ``--ckpt_path`` that is missing or not a readable Lightning checkpoint is one line, not a traceback from
+    inside Lightning (which reads it while parsing the command line). Lightning's keywords ("last", ...) pass."""
+    if not path or path in ("last", "best", "hpc", "registry"):
+        return
+    if not os.path.isfile(path):
+        raise ConfigurationError(f"--ckpt_path {path} does not exist")
+    try:  # what Lightning does next, with the failure caught
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
+        raise ConfigurationError(f"--ckpt_path {path} is not a readable checkpoint: the file is corrupted, truncated, "
+                                 f"of another format or holds pickled objects ({type(err).__name__})") from None
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise ConfigurationError(f"--ckpt_path {path} is not a Lightning checkpoint (no 'state_dict'): give a .ckpt "
+                                 "file that a training run wrote")
+
+
 class ConfigurationError(ValueError):
     """A model, datamodule or trainer that cannot be built from the configuration; ``lightning`` prints one line."""
 
@@ -91,6 +116,11 @@ class ProjectCLI(LightningCLI):
         else:
             self._given = _command_line_keys(sys.argv[1:] if args is None else args)
         super().parse_arguments(parser, args)
+
+    def _parse_ckpt_path(self) -> None:
+        if self.config.get("subcommand"):
+            check_checkpoint_file(self.config[self.config.subcommand].get("ckpt_path"))
+        super()._parse_ckpt_path()
 
     def _subconfig(self, config):
         return config[self.subcommand] if self.subcommand else config
@@ -134,6 +164,16 @@ class ProjectCLI(LightningCLI):
             raise ConfigurationError(" ".join(str(err).split())) from err
 
     def instantiate_trainer(self, **kwargs):
+        try:
+            return self._trainer_with_run_dir(**kwargs)
+        except MisconfigurationException as err:  # e.g. accelerator: gpu on a machine without one
+            hint = ""
+            if not torch.cuda.is_available():
+                hint = ("; this machine has no usable GPU: run on the CPU with --trainer.accelerator=cpu "
+                        "--trainer.devices=1 --trainer.precision=32-true (slow: for trying a config out)")
+            raise ConfigurationError(f"cannot set up the trainer: {' '.join(str(err).split())}{hint}") from err
+
+    def _trainer_with_run_dir(self, **kwargs):
         config = self._subconfig(self.config_init)
         trainer_cfg = config.get("trainer", {})
         run_dir = config.get("run_dir")
@@ -157,7 +197,8 @@ class ProjectCLI(LightningCLI):
         new_dirs = []
         if rank_zero_only.rank == 0:
             dirs = [getattr(logger, "log_dir", None) for logger in self.trainer.loggers]
-            new_dirs = [d for d in dirs if isinstance(d, str) and not os.path.exists(d)]
+            dirs.append(self.trainer.default_root_dir)
+            new_dirs = sorted({_first_new_folder(d) for d in dirs if isinstance(d, str) and not os.path.exists(d)})
         try:
             self.trainer.fit(**kwargs)
         except BaseException:
@@ -168,6 +209,14 @@ class ProjectCLI(LightningCLI):
                     shutil.rmtree(d, ignore_errors=True)
                     rank_zero_info(f"removed {d}: the run failed before its first training step")
             raise
+
+
+def _first_new_folder(path: str) -> str:
+    """The outermost folder of ``path`` that does not exist yet (what a failed run may remove whole)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(os.path.dirname(path)):
+        path = os.path.dirname(path)
+    return path
 
 
 def cli(args=None, *, run: bool = True) -> ProjectCLI:
@@ -188,14 +237,15 @@ def cli(args=None, *, run: bool = True) -> ProjectCLI:
 def main(args=None) -> int:
     """Entry point of the ``lightning`` console script; ``main(["fit", "--config", ...])`` works in-process.
 
-    Returns 0, or 2 with a one-line message when the configuration cannot be built (a missing
-    dataset folder, weights that cannot be found offline, ...); a fit stopped by SIGTERM or SLURM's
+    Returns 0, or 2 with a message when the configuration cannot be built (weights that cannot be
+    found offline, an accelerator the machine lacks, an unreadable ``--ckpt_path``, ...) or a dataset
+    root lacks the expected layout (shown after the first line); a fit stopped by SIGTERM or SLURM's
     requeue signal raises :class:`~lit_modules.callbacks.TrainingInterrupted`
     (``SystemExit(128 + signum)``) after saving.
     """
     try:
         cli(args)
-    except ConfigurationError as err:
+    except (ConfigurationError, DatasetLayoutError) as err:  # what the user gave: a message, not a traceback
         print(f"lightning: error: {err}", file=sys.stderr)
         return 2
     return 0

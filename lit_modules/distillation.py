@@ -34,6 +34,7 @@ from alibi_vit.analysis.feature_maps import shared_pca_rgb
 from alibi_vit.analysis.probe import positional_r2
 from alibi_vit.images import denormalize, load_image_set, normalize
 from alibi_vit.models.attention import POSITION_KWARGS
+from alibi_vit.models.checkpoint import WeightsUnavailableError
 
 __all__ = ["DistillationModule", "KNOWN_BLANK_CHANNELS", "build_student", "cosine_distance", "copy_teacher_weights",
            "student_state_dict"]
@@ -186,8 +187,13 @@ class DistillationModule(LightningModule):
             raise ValueError(f"need lr > 0, weight_decay >= 0, warmup_steps >= 0, min_lr >= 0; got lr={lr}, "
                              f"weight_decay={weight_decay}, warmup_steps={warmup_steps}, min_lr={min_lr}")
 
-        teacher_model = create_backbone(teacher, pretrained=teacher_pretrained and teacher_checkpoint is None,
-                                        checkpoint=teacher_checkpoint, **(model_kwargs or {}))
+        try:
+            teacher_model = create_backbone(teacher, pretrained=teacher_pretrained and teacher_checkpoint is None,
+                                            checkpoint=teacher_checkpoint, **(model_kwargs or {}))
+        except WeightsUnavailableError as err:
+            raise ValueError(f"teacher {teacher}: no pretrained weights here: {err.reason}. Pass "
+                             "--model.teacher_checkpoint=PATH (a timm state_dict file of the teacher, e.g. DINOv2's "
+                             "model.safetensors)") from None
         teacher_model.requires_grad_(False).eval()
         # Not a submodule on purpose (see the module docstring): plain attribute, moved to the
         # batch's device on first use.

@@ -40,14 +40,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_only
 
-from alibi_vit import create_backbone, patch_features
+from alibi_vit import patch_features
 from alibi_vit.analysis.rasa import fold_planes, orthogonalize_planes, remove_planes
-from lit_modules.segmentation_probe import (
-    FeatureCache,
-    SegmentationProbeModule,
-    backbone_autocast,
-    local_pretrained_overlay,
-)
+from lit_modules.segmentation_probe import FeatureCache, SegmentationProbeModule, backbone_autocast, frozen_backbone
 
 __all__ = ["RASAModule", "position_grid"]
 
@@ -89,17 +84,7 @@ class RASAModule(L.LightningModule):
         self.save_hyperparameters()
         if rounds < 1:
             raise ValueError(f"rounds must be at least 1, got {rounds}")
-        if pretrained is None:
-            pretrained = backbone_checkpoint is None and not allow_random_init
-        if not pretrained and backbone_checkpoint is None and not allow_random_init:
-            raise ValueError(f"backbone {backbone} would have random weights: pass --model.backbone_checkpoint=PATH "
-                             "or --model.pretrained=true (or --model.allow_random_init=true for smoke tests)")
-        build_kwargs = dict(backbone_kwargs or {})
-        if pretrained:
-            build_kwargs.update(local_pretrained_overlay(backbone, backbone_kwargs))
-        self.backbone = create_backbone(backbone, pretrained=pretrained, checkpoint=backbone_checkpoint,
-                                        **build_kwargs)
-        self.backbone.requires_grad_(False).eval()
+        self.backbone = frozen_backbone(backbone, backbone_checkpoint, pretrained, allow_random_init, backbone_kwargs)
         dim = self.backbone.num_features
         self.head = nn.Linear(dim, 2, bias=False)
         # finished rounds' planes, orthonormal rows; grows by one (2, C) per round (see on_load_checkpoint)

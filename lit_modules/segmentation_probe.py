@@ -42,10 +42,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.classification import MulticlassConfusionMatrix
 
 from alibi_vit import create_backbone, patch_features
+from alibi_vit.models.checkpoint import WeightsUnavailableError
 from alibi_vit.models.names import MODEL_NAMES
 
 __all__ = ["IGNORE_INDEX", "FeatureCache", "SegmentationProbeModule", "backbone_autocast", "confusion_matrix",
-           "iou_from_confusion", "local_pretrained_overlay"]
+           "frozen_backbone", "iou_from_confusion"]
 
 IGNORE_INDEX = 255
 CACHE_DTYPE = torch.float16  # halves the disk; range is ample for layer-normed features (checked on save)
@@ -117,64 +118,24 @@ def iou_from_confusion(confmat: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return miou.float(), iou.float()
 
 
-def _no_weights_error(backbone: str, why: str) -> ValueError:
-    return ValueError(f"backbone {backbone}: {why}. Pass --model.backbone_checkpoint=PATH (a timm state_dict file of "
-                      "the backbone, e.g. a released ALiBi-Dv2 model or DINOv2's model.safetensors), or "
-                      "--model.allow_random_init=true to run with random weights (pipeline checks only)")
-
-
-def local_pretrained_overlay(backbone: str, backbone_kwargs: dict | None = None, etag_timeout: float = 10.0) -> dict:
-    """Where timm should take ``backbone``'s pretrained weights from, decided before timm tries.
-
-    Returns extra ``timm.create_model`` kwargs: ``{"pretrained_cfg_overlay": {"file": PATH}}`` when
-    the weights are in the local Hugging Face cache (timm then reads that file and never touches
-    the network, which it otherwise does, retrying for about a minute when there is none), or
-    ``{}`` when timm should download them (not cached, hub reachable) or when the weights do not
-    come from the hub (a ``file``/``url`` in ``backbone_kwargs["pretrained_cfg_overlay"]``, a
-    model timm fetches by URL, a name timm does not know: timm reports those itself).
-
-    Raises ValueError, naming the way out, when the weights are not cached and the hub cannot
-    be reached: offline mode (``HF_HUB_OFFLINE``), or one metadata request without retries
-    failing to connect within ``etag_timeout`` seconds.
-    """
-    import timm
-    from timm.models import get_pretrained_cfg
-
-    overlay = dict((backbone_kwargs or {}).get("pretrained_cfg_overlay") or {})
-    if any(overlay.get(k) for k in ("file", "url", "state_dict")) or not timm.is_model(backbone):
-        return {}
-    cfg = get_pretrained_cfg(backbone)
-    hub_id = overlay.get("hf_hub_id") or (cfg.hf_hub_id if cfg is not None else None)
-    if not hub_id:
-        if cfg is None or not (cfg.url or cfg.file):
-            raise _no_weights_error(backbone, "timm has no pretrained weights for this model")
-        return {}
-    import huggingface_hub
-    from huggingface_hub.errors import HfHubHTTPError
-
-    repo_id, _, revision = hub_id.partition("@")
-    revision = revision or None
-    hub_file = overlay.get("hf_hub_filename") or (cfg.hf_hub_filename if cfg is not None else None)
-    # timm's own order for a hub model: safetensors first, then the pickle file
-    filenames = [hub_file] if hub_file else ["model.safetensors", "pytorch_model.bin"]
-    for filename in filenames:
-        cached = huggingface_hub.try_to_load_from_cache(repo_id, filename, revision=revision)
-        if isinstance(cached, str):
-            return {"pretrained_cfg_overlay": {**overlay, "file": cached}}
-    if huggingface_hub.constants.HF_HUB_OFFLINE:
-        raise _no_weights_error(backbone, f"its pretrained weights ({hub_id} on the Hugging Face hub) are not in "
-                                          "the local cache and HF_HUB_OFFLINE is set")
-    url = huggingface_hub.hf_hub_url(repo_id, filenames[0], revision=revision)
-    try:  # one request, no retries: fast to fail, and a download that follows uses the same route (proxies)
-        huggingface_hub.get_hf_file_metadata(url, timeout=etag_timeout)
-    except HfHubHTTPError:
-        pass  # the hub answered (e.g. no such file here): timm picks the file and reports what it finds
-    except Exception as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise _no_weights_error(backbone, f"its pretrained weights ({hub_id} on the Hugging Face hub) are not in "
-                                          f"the local cache and the hub cannot be reached ({type(err).__name__}"
-                                          f"{': ' + reason if reason else ''})") from None
-    return {}
+def frozen_backbone(backbone: str, backbone_checkpoint: str | None, pretrained: bool | None,
+                    allow_random_init: bool, backbone_kwargs: dict | None):
+    """The frozen feature backbone of a probe (and of RASA): weights from a checkpoint, the hub or, only
+    when asked for, random; errors name the config options that fix them."""
+    if pretrained is None:
+        pretrained = backbone_checkpoint is None and not allow_random_init
+    if not pretrained and backbone_checkpoint is None and not allow_random_init:
+        raise ValueError(f"backbone {backbone} would have random weights: pass --model.backbone_checkpoint=PATH "
+                         "or --model.pretrained=true (or --model.allow_random_init=true for smoke tests)")
+    try:
+        model = create_backbone(backbone, pretrained=pretrained, checkpoint=backbone_checkpoint,
+                                **(backbone_kwargs or {}))
+    except WeightsUnavailableError as err:
+        raise ValueError(f"backbone {backbone}: no pretrained weights here: {err.reason}. Pass "
+                         "--model.backbone_checkpoint=PATH (a timm state_dict file of the backbone, e.g. a released "
+                         "ALiBi-Dv2 model or DINOv2's model.safetensors), or --model.allow_random_init=true to run "
+                         "with random weights (pipeline checks only)") from None
+    return model.requires_grad_(False).eval()
 
 
 def backbone_autocast(device: torch.device):
@@ -208,7 +169,7 @@ class SegmentationProbeModule(L.LightningModule):
     Pretrained weights are read from the local Hugging Face cache when they are there; when they
     are not and the hub cannot be reached, construction fails within seconds with a message
     naming ``--model.backbone_checkpoint`` and ``--model.allow_random_init`` (see
-    ``local_pretrained_overlay``).
+    :func:`frozen_backbone` and ``alibi_vit.models.checkpoint.local_pretrained_overlay``).
     """
 
     def __init__(self, backbone: str = "alibi_vit_small_patch14_reg4_dinov2", num_classes: int = 21,
@@ -218,23 +179,14 @@ class SegmentationProbeModule(L.LightningModule):
                  class_names: list[str] | None = None, allow_random_init: bool = False):
         super().__init__()
         self.save_hyperparameters()
-        if pretrained is None:
-            pretrained = backbone_checkpoint is None and not allow_random_init
-        if not pretrained and backbone_checkpoint is None and not allow_random_init:
-            raise ValueError(f"backbone {backbone} would have random weights: pass --model.backbone_checkpoint=PATH "
-                             "or --model.pretrained=true (or --model.allow_random_init=true for smoke tests)")
         if class_names is not None and len(class_names) != num_classes:
             raise ValueError(f"{len(class_names)} class names for {num_classes} classes")
-        build_kwargs = dict(backbone_kwargs or {})
-        if pretrained:  # before any warning or download: no weights offline is one clear error, at once
-            build_kwargs.update(local_pretrained_overlay(backbone, backbone_kwargs))
-        if backbone in MODEL_NAMES and backbone_checkpoint is None and pretrained:
+        self.backbone = frozen_backbone(backbone, backbone_checkpoint, pretrained, allow_random_init, backbone_kwargs)
+        from_hub = pretrained if pretrained is not None else backbone_checkpoint is None and not allow_random_init
+        if backbone in MODEL_NAMES and backbone_checkpoint is None and from_hub:
             rank_zero_warn(f"{backbone} without a checkpoint starts from DINOv2/DINOv3 weights converted without "
                            "distillation; pass model.backbone_checkpoint=<distilled state_dict>, or a released tag "
                            "such as alibi_vit_small_patch14_reg4_dinov2.dinosaw_coco, to probe ALiBi/NoPE models")
-        self.backbone = create_backbone(backbone, pretrained=pretrained, checkpoint=backbone_checkpoint,
-                                        **build_kwargs)
-        self.backbone.requires_grad_(False).eval()
         dim = self.backbone.num_features
         self.head = nn.Sequential(nn.BatchNorm2d(dim), nn.Conv2d(dim, num_classes, kernel_size=1))
         self.num_classes = num_classes

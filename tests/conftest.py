@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 # Triton reads TRITON_INTERPRET when it is first imported: without a GPU its kernels run on the
@@ -8,3 +9,25 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture
+def no_network(monkeypatch, tmp_path):
+    """An empty Hugging Face cache and a hub that cannot be reached; timm must never start a download."""
+    import huggingface_hub
+    import timm.models._hub as timm_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    calls = []
+
+    def unreachable(url, *args, **kwargs):
+        calls.append(url)
+        raise OSError("[Errno -2] Name or service not known")  # what a machine without DNS answers
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("timm tried to download although the weights cannot be had")
+
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", unreachable)
+    monkeypatch.setattr(timm_hub, "hf_hub_download", no_download)
+    return calls

@@ -179,3 +179,24 @@ def test_an_unwritable_output_is_a_one_line_error(tmp_path, capsys):
     blocker.write_text("")
     assert run_probe(tmp_path, *TINY_ARGS, "--size", "28", "--out", str(blocker / "probe.csv")) == 2
     assert str(blocker) in error_of(capsys)
+
+
+
+@pytest.mark.parametrize("offline_env", [False, True])
+def test_pretrained_weights_offline_fail_fast_naming_the_way_out(tmp_path, capsys, monkeypatch, no_network,
+                                                                  offline_env):
+    import time
+
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", offline_env)
+    start = time.perf_counter()
+    assert run_probe(tmp_path, "--pretrained", "--size", "28", *TINY_ARGS) == 2
+    assert time.perf_counter() - start < 10
+    line = error_of(capsys)
+    reason = "HF_HUB_OFFLINE is set" if offline_env else "the hub cannot be reached (OSError: [Errno -2]"
+    assert f"cannot load the pretrained weights of {NAME}: timm/vit_small_patch14_reg4_dinov2.lvd142m is not in the " \
+           "local hub cache" in line
+    assert reason in line
+    assert "--checkpoint PATH" in line and "hf download timm/vit_small_patch14_reg4_dinov2.lvd142m" in line
+    assert len(no_network) == (0 if offline_env else 1)  # one metadata request, no retries

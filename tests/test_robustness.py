@@ -184,6 +184,14 @@ def test_probe_demo_config_then_robustness_run_offline(tmp_path, monkeypatch, ca
         [row] = list(csv.DictReader(f))
     assert float(row["roll"]) == float(row["none"]) > 0.3  # wrapped ALiBi: rolling changes nothing
 
+    # a mistyped root is an error showing the layout, never a freshly generated demo set
+    assert main(["robustness", "--checkpoint", str(ckpt), "--num-workers", "0", "--data.root", "runs/probe_dmeo/voc",
+                 "--csv", "runs/typo.csv"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("alibi-vit robustness: error: the demo VOC set is not in runs/probe_dmeo/voc")
+    assert "expected layout:" in err and "JPEGImages" in err
+    assert not (tmp_path / "runs/probe_dmeo").exists() and not (tmp_path / "runs/typo.csv").exists()
+
 
 def _tiny_probe_checkpoint(path, voc_root):
     probe = SegmentationProbeModule("alibi_vit_small_patch14_reg4_dinov2", backbone_kwargs=TINY,

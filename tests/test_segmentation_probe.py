@@ -266,28 +266,6 @@ def test_each_epoch_trains_on_a_fresh_random_subset(voc_root):
 # ---- pretrained weights without a network --------------------------------------------------------------
 
 
-@pytest.fixture
-def no_network(monkeypatch, tmp_path):
-    """An empty Hugging Face cache and a hub that cannot be reached; timm must never start a download."""
-    import huggingface_hub
-    import timm.models._hub as timm_hub
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    calls = []
-
-    def unreachable(url, *args, **kwargs):
-        calls.append(url)
-        raise OSError("[Errno -2] Name or service not known")  # what a machine without DNS answers
-
-    def no_download(*args, **kwargs):
-        raise AssertionError("timm tried to download although the weights cannot be had")
-
-    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", unreachable)
-    monkeypatch.setattr(timm_hub, "hf_hub_download", no_download)
-    return calls
-
-
 @pytest.mark.parametrize("backbone", ["vit_small_patch14_reg4_dinov2", "alibi_vit_small_patch14_reg4_dinov2"])
 @pytest.mark.parametrize("cause", ["no connection", "HF_HUB_OFFLINE"])
 def test_no_weights_offline_fails_at_once_naming_the_way_out(backbone, cause, no_network, monkeypatch):

@@ -5,6 +5,7 @@ from functools import partial
 import numpy as np
 import pytest
 import tifffile
+import torch
 from PIL import Image
 
 from alibi_vit.cli import segment as segment_cli
@@ -86,3 +87,110 @@ def test_benchmark_synthetic_and_from_folders(files, tmp_path):
     assert (tmp_path / "f" / "benchmark.csv").read_text().count("\n") == 2
     with pytest.raises(ValueError, match="required without --synthetic"):
         run(["benchmark", "--out", str(tmp_path / "g")])
+
+
+TINY_VIT = ["--backbone", "alibi_vit_small_patch14_reg4_dinov2", "--model-arg", "depth=1", "--model-arg",
+            "embed_dim=32", "--model-arg", "num_heads=2", "--components", "3", "--trees", "5"]
+
+
+def _one_line_error(capsys, command="segment"):
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"alibi-vit {command}: error: ") and "\n" not in err, err
+    return err
+
+
+def test_random_init_backbone_must_be_asked_for_and_is_seeded(files, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from alibi_vit.cli.main import main
+
+    root, _ = files
+    common = ["segment", "train", "--images", str(root / "images"), "--labels", str(root / "labels"), *TINY_VIT]
+    assert main([*common, "--out", str(tmp_path / "m")]) == 2
+    assert "--allow-random-init" in _one_line_error(capsys)
+    assert not (tmp_path / "m").exists()
+    for name, seed in (("a", "3"), ("b", "3"), ("c", "4")):
+        assert main([*common, "--allow-random-init", "--seed", seed, "--out", str(tmp_path / name)]) == 0
+    weights = {name: load_file(str(tmp_path / name / "backbone.safetensors")) for name in "abc"}
+    assert all(torch.equal(weights["a"][k], weights["b"][k]) for k in weights["a"])  # same seed, same model
+    assert any(not torch.equal(weights["a"][k], weights["c"][k]) for k in weights["a"])
+
+
+def test_images_and_labels_in_one_folder_pair_by_suffix(files, tmp_path, capsys):
+    from alibi_vit.cli.main import main
+
+    root, _ = files
+    both = tmp_path / "both"
+    both.mkdir()
+    for p in [*(root / "images").iterdir(), *(root / "labels").iterdir()]:
+        (both / p.name).write_bytes(p.read_bytes())
+    assert main(["segment", "train", "--images", str(both), "--labels", str(both), "--trees", "5",
+                 "--out", str(tmp_path / "model")]) == 0
+    assert "trained on 2 image(s)" in capsys.readouterr().out
+    only_images = tmp_path / "only_images"
+    only_images.mkdir()
+    for p in (root / "images").iterdir():
+        (only_images / p.name).write_bytes(p.read_bytes())
+    assert main(["segment", "train", "--images", str(only_images), "--labels", str(only_images),
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "found no labels to pair among 2 file(s) (m0.tif, m1.tif)" in _one_line_error(capsys)
+
+
+def test_out_that_is_a_file_fails_before_training(files, tmp_path, capsys, monkeypatch):
+    from alibi_vit.cli.main import main
+    from alibi_vit.trainable import TrainableSegmenter
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("training started before the output was checked")
+
+    monkeypatch.setattr(TrainableSegmenter, "fit", no_training)
+    root, _ = files
+    taken = tmp_path / "model"
+    taken.write_text("a file, not a folder")
+    assert main(["segment", "train", "--images", str(root / "images"), "--labels", str(root / "labels"),
+                 "--out", str(taken)]) == 2
+    assert f"--out {taken} is an existing file" in _one_line_error(capsys)
+
+
+@pytest.fixture(scope="module")
+def trained_model(files, tmp_path_factory):
+    root, _ = files
+    out = tmp_path_factory.mktemp("model") / "model"
+    assert run(["train", "--images", str(root / "images"), "--labels", str(root / "labels"), "--trees", "5",
+                "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("damaged", ["classifier.json", "config.json"])
+def test_damaged_model_files_are_named(files, trained_model, tmp_path, capsys, damaged):
+    import shutil
+
+    from alibi_vit.cli.main import main
+
+    root, _ = files
+    model = tmp_path / "model"
+    shutil.copytree(trained_model, model)
+    (model / damaged).write_text('{"learner": {"truncated')
+    assert main(["segment", "apply", "--model", str(model), "--images", str(root / "images"),
+                 "--out", str(tmp_path / "out")]) == 2
+    err = _one_line_error(capsys)
+    assert f"{model / damaged} is not" in err and "damaged" in err and ".cc:" not in err
+
+
+def test_apply_skips_unreadable_images_writes_the_rest_and_fails(files, trained_model, tmp_path, capsys):
+    from alibi_vit.cli.main import main
+
+    root, _ = files
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for p in (root / "images").iterdir():
+        (mixed / p.name).write_bytes(p.read_bytes())
+    (mixed / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    assert main(["segment", "apply", "--model", str(trained_model), "--images", str(mixed),
+                 "--out", str(tmp_path / "out")]) == 1
+    captured = capsys.readouterr()
+    assert "segmented 2 of 3 image(s)" in captured.out
+    assert "warning: skipped" in captured.err and "broken.png" in captured.err
+    assert captured.err.strip().splitlines()[-1] == \
+        "alibi-vit segment: error: 1 image(s) could not be read: broken.png"
+    assert sorted(p.name for p in (tmp_path / "out").glob("*_mask.png")) == ["m0_mask.png", "m1_mask.png"]

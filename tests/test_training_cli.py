@@ -172,11 +172,58 @@ def test_probe_logger_follows_the_chosen_folder(tmp_path, monkeypatch):
     assert Path(run.trainer.logger.log_dir) == Path("runs") / "probe_voc07" / "version_0"  # the config's default
 
 
-def test_run_failing_before_training_leaves_no_log_folder(tmp_path, monkeypatch):
+def test_run_failing_before_training_leaves_no_log_folder(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "root" / "probe_voc07" / "version_0").mkdir(parents=True)  # an earlier run's: kept
-    with pytest.raises(FileNotFoundError, match="JPEGImages"):  # no dataset there: fails in the datamodule's setup
-        main(["fit", "--config", PROBE, f"--data.root={tmp_path / 'empty'}",
-              f"--trainer.default_root_dir={tmp_path / 'root'}", *PROBE_TINY])
+    # no dataset there: fails in the datamodule's setup, as a message showing the layout
+    assert main(["fit", "--config", PROBE, f"--data.root={tmp_path / 'empty'}",
+                 f"--trainer.default_root_dir={tmp_path / 'root'}", *PROBE_TINY]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.startswith(f"lightning: error: Pascal VOC 2007: no JPEGImages folder in any of {tmp_path / 'empty'}")
+    assert "expected layout:" in err
     assert sorted(p.name for p in (tmp_path / "root" / "probe_voc07").iterdir()) == ["version_0"]
     assert not (tmp_path / "runs").exists() and not (tmp_path / "lightning_logs").exists()
+    # a root folder the failed run created is removed whole, not left behind empty
+    assert main(["fit", "--config", PROBE, f"--data.root={tmp_path / 'empty'}",
+                 f"--trainer.default_root_dir={tmp_path / 'new' / 'root'}", *PROBE_TINY]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    assert err.startswith("lightning: error: ") and "\n" not in err, err
+    return err
+
+
+def test_distillation_without_its_data_or_gpu_is_a_message(tmp_path, monkeypatch, capsys):
+    import timm
+    from safetensors.torch import save_file
+
+    monkeypatch.chdir(tmp_path)
+    teacher = timm.create_model("vit_small_patch14_reg4_dinov2", num_classes=0)
+    save_file({k: v.contiguous() for k, v in teacher.state_dict().items()}, str(tmp_path / "teacher.safetensors"))
+    args = ["fit", "--config", str(ROOT / "configs" / "alibi.yaml"), f"--data.root={tmp_path / 'coco'}",
+            f"--model.teacher_checkpoint={tmp_path / 'teacher.safetensors'}"]
+    if not torch.cuda.is_available():  # the config asks for GPUs: the message says how to try it on the CPU
+        assert main(args) == 2
+        assert "--trainer.accelerator=cpu --trainer.devices=1" in _one_line_error(capsys)
+    assert main([*args, "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.precision=32-true"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.startswith(f"lightning: error: COCO image folder {tmp_path / 'coco' / 'train2017'} does not exist")
+    assert "expected COCO layout:" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["teacher.safetensors"]  # no runs/ folder left
+
+
+def test_unreadable_ckpt_path_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    torch.save({"weight": torch.ones(3)}, tmp_path / "state_dict.pt")
+    good = (tmp_path / "state_dict.pt").read_bytes()
+    (tmp_path / "truncated.ckpt").write_bytes(good[: len(good) // 2])
+    for path, problem in ((tmp_path / "truncated.ckpt", "is not a readable checkpoint"),
+                          (tmp_path / "state_dict.pt", "is not a Lightning checkpoint"),
+                          (tmp_path / "missing.ckpt", "does not exist")):
+        assert main(["fit", "--config", DEMO, f"--run_dir={tmp_path / 'run'}", *FAST, f"--ckpt_path={path}"]) == 2
+        assert f"--ckpt_path {path} {problem}" in _one_line_error(capsys)

@@ -33,6 +33,9 @@ def _add_backbone_arguments(p, several: bool):
                         (" (repeatable; NAME= picks the backbone)" if several else ""))
     p.add_argument("--pretrained", action="store_true",
                    help="timm's pretrained weights for backbones without a checkpoint")
+    p.add_argument("--allow-random-init", action="store_true",
+                   help="let a backbone without --pretrained or --checkpoint run with random weights (drawn from "
+                        "--seed; pipeline checks only: its features carry no meaning)")
     p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="architecture override passed to timm, e.g. depth=2")
     p.add_argument("--device", default=None, help="where the backbone runs (default: cuda if available, else cpu)")
@@ -95,37 +98,78 @@ def _pair(images, labels, what="labels"):
     return pairs
 
 
+def _image_label_pairs(image_sources, label_sources, what="labels"):
+    """(image, label file) pairs from the given folders/files; the two may be the same folder.
+
+    A file given as both is a label when its name is another image file's name plus a label suffix
+    (``m0.tif`` and ``m0_labels.png`` side by side), else an image.
+    """
+    from ..trainable.io import list_image_files
+
+    label_files = list_image_files(label_sources)
+    image_files = list_image_files(image_sources)
+    shared = set(image_files) & set(label_files)
+    stems = {p.stem for p in image_files}
+    suffixes = [s for s in LABEL_SUFFIXES if s]
+
+    def is_label(p):
+        return any(p.stem.endswith(s) and p.stem[:-len(s)] in stems for s in suffixes)
+
+    images = [p for p in image_files if not (p in shared and is_label(p))]
+    labels = [p for p in label_files if p not in shared or is_label(p)]
+    if not images or not labels:
+        found = ", ".join(p.name for p in image_files[:5]) + (" …" if len(image_files) > 5 else "")
+        raise ValueError(f"found no {'images' if not images else what} to pair among {len(image_files)} file(s) "
+                         f"({found}): with images and {what} in one folder, name each {what[:-1]} file after its "
+                         f"image plus {'/'.join(suffixes)} (m0.tif + m0{suffixes[0]}.png)")
+    return _pair(images, labels, what)
+
+
+def _check_backbone_weights(args, names):
+    """Backbones need --pretrained, a checkpoint or --allow-random-init: random features must be asked for."""
+    checkpoints = checkpoints_by_model(args.checkpoint, names) if args.checkpoint else {}
+    random = [n for n in names if n not in checkpoints and not args.pretrained]
+    if random and not args.allow_random_init:
+        raise ValueError(f"--backbone {' '.join(random)} has no weights: give --pretrained (timm's weights), "
+                         "--checkpoint PATH, or --allow-random-init for random weights (pipeline checks only)")
+    for name in random:
+        print(f"note: {name} is randomly initialised from --seed {args.seed} (features carry no meaning)",
+              file=sys.stderr)
+    return checkpoints
+
+
+def _check_out_folder(out: Path, option: str = "--out") -> None:
+    """Fail before any work when the output folder cannot be one (an existing file, say)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{option} {out} is an existing file; give a folder")
+    out.mkdir(parents=True, exist_ok=True)  # unwritable places fail here, not after training
+
+
 def _classifier_params(args):
     if args.trees is not None and args.trees < 1:
         raise ValueError(f"--trees must be at least 1, got {args.trees}")
     return {} if args.trees is None else {"n_estimators": args.trees}
 
 
-def _backbone_kwargs(args, name):
-    if name is None:
-        return {}
-    checkpoints = checkpoints_by_model(args.checkpoint, [name])
-    return dict(checkpoint=checkpoints.get(name), pretrained=args.pretrained and name not in checkpoints,
-                model_kwargs=parse_model_args(args.model_arg))
-
-
 def _train(args) -> int:
     from ..trainable import TrainableSegmenter, read_grayscale, read_labels
-    from ..trainable.io import list_image_files
 
     if args.backbone is None and args.checkpoint:
         raise ValueError("--checkpoint needs --backbone NAME")
-    label_files = list_image_files(args.labels)
-    image_files = [p for p in list_image_files(args.images) if p not in set(label_files)]
-    pairs = _pair(image_files, label_files)
+    backbone_kwargs = {}
+    if args.backbone is not None:
+        checkpoints = _check_backbone_weights(args, [args.backbone])
+        backbone_kwargs = dict(checkpoint=checkpoints.get(args.backbone), model_kwargs=parse_model_args(args.model_arg),
+                               pretrained=args.pretrained and args.backbone not in checkpoints)
+    pairs = _image_label_pairs(args.images, args.labels)
+    _check_out_folder(args.out)
     images, labels = [], []
     for img, lab in tqdm(pairs, desc="read", disable=len(pairs) < 2):
         images.append(read_grayscale(img, args.intensity))
         labels.append(read_labels(lab, images[-1].shape))
     seg = TrainableSegmenter(args.backbone, args.classifier, args.crf, n_components=args.components,
                              classifier_params=_classifier_params(args),
-                             intensity="dtype", device=args.device, seed=args.seed, progress=True,
-                             **_backbone_kwargs(args, args.backbone))
+                             intensity="dtype", device=args.device, seed=args.seed, progress=True, **backbone_kwargs)
     seg.fit(images, labels)
     # The files were scaled on reading; the saved model scales arrays the same way when applied.
     seg.intensity = args.intensity
@@ -137,17 +181,25 @@ def _train(args) -> int:
 
 
 def _apply(args) -> int:
+    import warnings
+
     from ..trainable import TrainableSegmenter, read_grayscale
     from ..trainable.io import list_image_files, overlay, write_mask
 
+    files = list_image_files(args.images)
+    _check_out_folder(args.out)
     seg = TrainableSegmenter.load(args.model, device=args.device)
     if args.crf != "model":
         seg.crf = args.crf == "on"
-    files = list_image_files(args.images)
-    args.out.mkdir(parents=True, exist_ok=True)
     k = int(seg.classes_.max())
+    failed = []
     for path in tqdm(files, desc="segment"):
-        image01 = read_grayscale(path, seg.intensity)
+        try:
+            image01 = read_grayscale(path, seg.intensity)
+        except (OSError, ValueError) as err:  # one unreadable file must not cost the others their masks
+            warnings.warn(f"skipped {path}: {err}")
+            failed.append(path.name)
+            continue
         intensity, seg.intensity = seg.intensity, "dtype"  # already scaled on reading
         try:
             mask = seg.predict([image01])[0]
@@ -158,18 +210,20 @@ def _apply(args) -> int:
             from PIL import Image
 
             Image.fromarray(overlay(image01, mask, 0.4, k)).save(args.out / f"{path.stem}_overlay.png")
-    print(f"segmented {len(files)} image(s) into {args.out}")
+    print(f"segmented {len(files) - len(failed)} of {len(files)} image(s) into {args.out}")
+    if failed:
+        print(f"alibi-vit segment: error: {len(failed)} image(s) could not be read: {', '.join(failed)}",
+              file=sys.stderr)
+        return 1
     return 0
 
 
 def _read_set(image_sources, mask_sources, what):
-    from ..trainable.io import list_image_files, read_array
+    from ..trainable.io import read_array
 
     if not image_sources or not mask_sources:
         raise ValueError(f"--{what}-images and --{what}-masks are required without --synthetic")
-    mask_files = list_image_files(mask_sources)
-    image_files = [p for p in list_image_files(image_sources) if p not in set(mask_files)]
-    pairs = _pair(image_files, mask_files, what="mask")
+    pairs = _image_label_pairs(image_sources, mask_sources, what="masks")
     return [read_array(i) for i, _ in pairs], [read_array(m) for _, m in pairs], [i.stem for i, _ in pairs]
 
 
@@ -177,27 +231,25 @@ def _benchmark(args) -> int:
     from ..synthetic import synthetic_dataset
     from ..trainable.benchmark import scribble_benchmark, write_outputs
 
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+    checkpoints = _check_backbone_weights(args, args.backbone)
+    _check_out_folder(args.out)
     if args.synthetic:
         n_train, n_test = args.synthetic_count
         (tr, trm), (te, tem) = synthetic_dataset(n_train, n_test, args.synthetic_size, seed=args.seed)
     else:
         tr, trm, _ = _read_set(args.train_images, args.train_masks, "train")
         te, tem, _ = _read_set(args.test_images, args.test_masks, "test")
-    if args.rounds < 1:
-        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     backbones = {"classical": None}
-    checkpoints = checkpoints_by_model(args.checkpoint, args.backbone) if args.checkpoint else {}
     if args.backbone:
         from ..models.checkpoint import create_backbone
 
         for name in args.backbone:
             ckpt = checkpoints.get(name)
-            model = create_backbone(name, pretrained=args.pretrained and ckpt is None, checkpoint=ckpt,
-                                    **parse_model_args(args.model_arg))
-            if ckpt is None and not args.pretrained:
-                print(f"note: {name} is randomly initialised (give --pretrained or --checkpoint for real features)",
-                      file=sys.stderr)
-            backbones[f"classical + {name}"] = model
+            backbones[f"classical + {name}"] = create_backbone(
+                name, pretrained=args.pretrained and ckpt is None, checkpoint=ckpt, seed=args.seed,
+                **parse_model_args(args.model_arg))
     rows, preds, test_masks = scribble_benchmark(
         tr, trm, te, tem, backbones, rounds=args.rounds, per_class=args.per_class, seed=args.seed,
         classifier=args.classifier, progress=True,

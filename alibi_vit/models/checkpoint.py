@@ -21,7 +21,8 @@ import torch.nn as nn
 from .formats import key_mismatches
 from .names import MODEL_NAMES
 
-__all__ = ["read_torch_file", "check_model_name", "checkpoint_metadata", "create_backbone", "load_state_dict_file", "load_weights"]
+__all__ = ["WeightsUnavailableError", "check_model_name", "checkpoint_metadata", "create_backbone", "load_state_dict_file",
+           "load_weights", "local_pretrained_overlay", "read_torch_file"]
 
 # Wrappers other tools put around a state_dict: Lightning ('state_dict'), DDP ('module.').
 _NESTING_KEYS = ("state_dict", "model")
@@ -160,7 +161,80 @@ def check_model_name(name: str) -> None:
     raise ValueError(f"unknown model {name!r}; {hint}")
 
 
-def create_backbone(name: str, *, pretrained: bool = False, checkpoint=None, **model_kwargs) -> nn.Module:
+
+class WeightsUnavailableError(ValueError):
+    """Pretrained weights that are not in the local hub cache and cannot be downloaded from here.
+
+    ``reason`` says why; callers with their own option names (a config's checkpoint key) reword the way out.
+    """
+
+    def __init__(self, name: str, reason: str, repo: str | None = None):
+        self.name, self.reason, self.repo = name, reason, repo
+        fetch = f", or run `hf download {repo}` where there is network and copy the hub cache here" if repo else ""
+        super().__init__(f"cannot load the pretrained weights of {name}: {reason}; give --checkpoint PATH (a local "
+                         f"weights file){fetch}")
+
+
+# How long one metadata request to the hub may take before the hub counts as unreachable.
+HUB_TIMEOUT_SECONDS = 5.0
+
+
+def local_pretrained_overlay(name: str, model_kwargs: dict | None = None,
+                             timeout: float = HUB_TIMEOUT_SECONDS) -> dict:
+    """Where timm should take ``name``'s pretrained weights from, decided before timm tries.
+
+    Returns extra ``timm.create_model`` kwargs: ``{"pretrained_cfg_overlay": {"file": PATH}}`` when the
+    weights are in the local Hugging Face cache (timm then reads that file and never touches the
+    network, which it otherwise does, retrying for about a minute when there is none), or ``{}``
+    when timm should download them (not cached, hub reachable) or when the weights do not come from
+    the hub (a ``file``/``url``/``state_dict`` in ``model_kwargs["pretrained_cfg_overlay"]``, a model
+    timm fetches by URL, a name timm does not know: timm reports those itself).
+
+    Raises :class:`WeightsUnavailableError` when the weights are not cached and cannot be downloaded:
+    timm has none for the model, ``HF_HUB_OFFLINE`` is set, or one metadata request (no retries,
+    through the same route a download takes, proxies included) fails within ``timeout`` seconds.
+    """
+    from timm.models import get_pretrained_cfg
+
+    overlay = dict((model_kwargs or {}).get("pretrained_cfg_overlay") or {})
+    if any(overlay.get(k) for k in ("file", "url", "state_dict")) or not timm.is_model(name):
+        return {}
+    cfg = get_pretrained_cfg(name)
+    hub_id = overlay.get("hf_hub_id") or (cfg.hf_hub_id if cfg is not None else None)
+    if not hub_id:
+        if cfg is None or not (cfg.url or cfg.file):
+            raise WeightsUnavailableError(name, "timm has no pretrained weights for this model")
+        return {}
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError
+
+    repo_id, _, revision = hub_id.partition("@")
+    revision = revision or None
+    hub_file = overlay.get("hf_hub_filename") or (cfg.hf_hub_filename if cfg is not None else None)
+    # timm's own order for a hub model: safetensors first, then the pickle file
+    filenames = [hub_file] if hub_file else ["model.safetensors", "pytorch_model.bin"]
+    for filename in filenames:
+        cached = huggingface_hub.try_to_load_from_cache(repo_id, filename, revision=revision)
+        if isinstance(cached, str):
+            return {"pretrained_cfg_overlay": {**overlay, "file": cached}}
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        raise WeightsUnavailableError(name, f"{hub_id} is not in the local hub cache, and HF_HUB_OFFLINE is set",
+                                      repo_id)
+    url = huggingface_hub.hf_hub_url(repo_id, filenames[0], revision=revision)
+    try:  # one request, no retries: fast to fail, and a download that follows uses the same route (proxies)
+        huggingface_hub.get_hf_file_metadata(url, timeout=timeout)
+    except HfHubHTTPError:
+        pass  # the hub answered (e.g. no such file here): timm picks the file and reports what it finds
+    except Exception as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise WeightsUnavailableError(name, f"{hub_id} is not in the local hub cache, and the hub cannot be reached "
+                                            f"({type(err).__name__}{': ' + reason[:80] if reason else ''})",
+                                      repo_id) from None
+    return {}
+
+
+def create_backbone(name: str, *, pretrained: bool = False, checkpoint=None, seed: int | None = None,
+                    **model_kwargs) -> nn.Module:
     """A feature backbone by timm name: ALiBi/NoPE models of this project or any timm ViT.
 
     Plain timm ViTs (the DINOv2 teacher, say) get ``dynamic_img_size=True`` so that, like the
@@ -170,7 +244,8 @@ def create_backbone(name: str, *, pretrained: bool = False, checkpoint=None, **m
     architecture it was exported with (see :func:`checkpoint_metadata`), those kwargs are used,
     and ``model_kwargs`` given here override them with a warning where they disagree.
     A file holding ``rasa_projection`` (a RASA export) gives the folded model. Unknown names and
-    arguments the model does not take are ValueErrors.
+    arguments the model does not take are ValueErrors. ``seed`` draws the initial (random) weights
+    from that seed, so two calls give the same model; the global random state is left as it was.
     """
     check_model_name(name)
     from_file = {}
@@ -191,8 +266,15 @@ def create_backbone(name: str, *, pretrained: bool = False, checkpoint=None, **m
     if name.partition(".")[0] not in MODEL_NAMES:  # "NAME.TAG" picks weights, not the architecture
         model_kwargs.setdefault("dynamic_img_size", True)
     model_kwargs.setdefault("num_classes", 0)
+    if pretrained:  # before any download: weights that cannot be had are one clear error, at once
+        model_kwargs.update(local_pretrained_overlay(name, model_kwargs))
     try:
-        model = timm.create_model(name, pretrained=pretrained, **model_kwargs)
+        # With a seed, the initial weights come from it alone and the global random state is left as it was;
+        # without, model creation draws from (and advances) the global state as usual.
+        with torch.random.fork_rng(devices=[], enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            model = timm.create_model(name, pretrained=pretrained, **model_kwargs)
     except (TypeError, ValueError, AssertionError, ArithmeticError, RuntimeError) as err:
         # an argument the architecture does not take, or a value it cannot use (patch_size=0, embed_dim=-1)
         source = f" ({', '.join(from_file)} from the checkpoint's metadata)" if from_file else ""

@@ -7,6 +7,7 @@ XGBoost's JSON model format and load without pickle.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,14 @@ def load_classifier(kind: str, path) -> object:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"classifier model {path} does not exist")
+    import xgboost as xgb
+
     clf = make_classifier(kind)
-    clf.load_model(path)
+    try:
+        clf.load_model(path)
+    except xgb.core.XGBoostError as err:  # its message is a C++ stack trace: the first line says what failed
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        reason = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", reason)  # "[08:19:02] src/json.cc:409: " prefix
+        raise ValueError(f"{path} is not a readable XGBoost model ({reason[:200]}): the model folder is damaged; "
+                         "train it again") from None
     return clf

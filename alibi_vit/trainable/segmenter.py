@@ -118,7 +118,8 @@ class TrainableSegmenter:
             elif isinstance(backbone, str):
                 from ..models.checkpoint import create_backbone
 
-                model = create_backbone(backbone, pretrained=pretrained, checkpoint=checkpoint, **(model_kwargs or {}))
+                model = create_backbone(backbone, pretrained=pretrained, checkpoint=checkpoint, seed=self.seed,
+                                        **(model_kwargs or {}))
                 self.backbone_spec = {"name": backbone, "pretrained": bool(pretrained),
                                       "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None,
                                       "model_kwargs": dict(model_kwargs or {})}
@@ -295,7 +296,10 @@ class TrainableSegmenter:
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
             raise FileNotFoundError(f"{path} is not a trained segmenter folder (no config.json)")
-        cfg = json.loads(cfg_path.read_text())
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{cfg_path} is not valid JSON ({err}): the model folder is damaged; train it again") from None
         if cfg.get("format") != FORMAT_VERSION:
             raise ValueError(f"{cfg_path} has format {cfg.get('format')}, this version reads {FORMAT_VERSION}")
         spec = cfg["backbone"]
