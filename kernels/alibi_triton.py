@@ -28,9 +28,11 @@ The bias is derived per tile, never materialised. Two interchangeable ways (``bi
   ``C = (h-1)(2w-1) + (w-1)``; then ``a_i - b_j`` is the row-major index of the offset
   ``(row_i-row_j, col_i-col_j)`` in a ``(2h-1)×(2w-1)`` table of ``-d̂`` with wrapping and
   normalisation applied. Prefix (and out-of-range) tokens get codes that land in an appended
-  run of zeros. Each call scales the table per head by ``m_h·log2(e)`` (a (heads, O(h·w))
+  run of zeros. Key codes are stored negated and both rows are padded past N to whole tiles
+  (``kernels.alibi_bias.device_bias_lookup``), so codes load without masks and the gather adds.
+  Each call scales the table per head by ``m_h·log2(e)`` (a (heads, O(h·w))
   array), and each program turns the codes of its resident tile into pointers once, outside
-  its loop (``Tbl + a_i``, or ``Tbl - b_j`` in the dK/dV kernel). Per element that leaves one
+  its loop (``Tbl + a_i``, or ``Tbl + (-b_j)`` in the dK/dV kernel). Per element that leaves one
   64-bit multiply-add for the address, one gathered load from a table that stays in L1/L2,
   and one add into the logits — no abs/min/sqrt, no multiply by the slope — which matters
   because at head_dim 64 the MUFU unit is already as busy with ``exp2`` as the tensor cores
@@ -118,6 +120,7 @@ _MAX_GRID_YZ = 65535
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _AUTOTUNE = os.environ.get("ALIBI_TRITON_AUTOTUNE", "1") != "0"
 _ATOMIC_DQ = os.environ.get("ALIBI_TRITON_ATOMIC_DQ", "0") == "1"
+_HAS_BIAS = True  # False only inside bias_compiled_out() (a benchmark baseline)
 DEFAULT_BIAS_MODE = os.environ.get("ALIBI_TRITON_BIAS", "table")
 if DEFAULT_BIAS_MODE not in BIAS_MODES:
     raise ValueError(f"ALIBI_TRITON_BIAS must be one of {BIAS_MODES}, got {DEFAULT_BIAS_MODE!r}")
@@ -135,12 +138,13 @@ def _cfg(block_m, block_n, warps, stages):
 # the first is used. A call's class is (head_dim <= 64 ? "small" : "large", bias mode), or "fp32"
 # for fp32 inputs. In the backward kernels BLOCK_N is the resident key tile of the dK/dV kernel
 # and BLOCK_M the resident query tile of the dQ kernel. Registers, spills and instructions per
-# score of every entry are measured by benchmarks/bench_kernel_sass.py (sm_90, triton 3.9;
-# benchmarks/results/kernel_sass_sm90.md), which chose the first entries. Table mode, 16-bit:
-# no spills at head_dim <= 64 (head pairs and atomic dQ included); at 128 the first forward, dK/dV
-# and dQ configs spill 112, 8 and 16 bytes, none of them reloaded inside the main loop (every
-# 64-wide key tile there spills: narrower tiles cost more instructions per score), while the
-# atomic-dQ dK/dV kernel at 128 spills inside its loop. A 128x128 tile spills heavily in table
+# score of every entry are measured by benchmarks/bench_kernel_sass.py (sm_90;
+# benchmarks/results/kernel_sass_sm90_triton3.6.md, the Triton the GPU machines run, with 3.9 beside
+# it), which chose the first entries; the dK/dV default (64x64, 4 warps, 3 stages) was re-ranked on
+# 3.6, where it matches 64x128 with 8 warps by the serial bound, pipelines the bias gather and fits
+# 2 CTAs/SM. Table mode, 16-bit, head_dim <= 64: no spills and no ptxas C7515 on 3.6 or 3.9. At 128
+# the atomic-dQ dK/dV kernel gets C7515 on 3.6 and spills inside its loop. A 128x128 tile spills
+# heavily in table
 # mode. The sqrt mode is a reference: two configs each. fp32 inputs with exact ("ieee") products
 # use no tensor cores and far more registers: small tiles only, and even those spill; fp32 is a
 # correctness path.
@@ -152,7 +156,7 @@ _FWD_CONFIGS = {
     "fp32": [_cfg(32, 32, 4, 2), _cfg(64, 32, 4, 2)],
 }
 _DKDV_CONFIGS = {
-    ("small", "table"): [_cfg(64, 128, 8, 2), _cfg(64, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3)],
+    ("small", "table"): [_cfg(64, 64, 4, 3), _cfg(64, 128, 8, 2), _cfg(64, 64, 8, 2), _cfg(32, 64, 4, 3)],
     ("small", "sqrt"): [_cfg(64, 128, 8, 2), _cfg(64, 64, 8, 2)],
     ("large", "table"): [_cfg(32, 64, 4, 3), _cfg(64, 64, 8, 2)],
     ("large", "sqrt"): [_cfg(64, 64, 8, 2), _cfg(32, 64, 4, 3)],
@@ -808,7 +812,7 @@ def _launch_fwd(q, k, v, slopes, h, w, prefix, wrap, normalize, use_table, metri
         return (triton.cdiv(n, meta["BLOCK_M"]), heads // 2 if kw["HEAD_PAIR"] else heads, bsz)
 
     with _device_guard(q):
-        _fwd_kernel[grid](*args, **kw, **_LAUNCH_OPTIONS)
+        _fwd_kernel[grid](*args, **kw, HAS_BIAS=_HAS_BIAS, **_LAUNCH_OPTIONS)
     return o, lse
 
 
@@ -838,10 +842,12 @@ def _launch_bwd(do, q, k, v, o, lse, slopes, h, w, prefix, wrap, normalize, use_
         _bwd_preprocess_kernel[(triton.cdiv(n, _PREPROCESS_BLOCK_M), heads, bsz)](
             o, do, delta, *_strides(o), *_strides(do), heads, n, HEAD_DIM=d, BLOCK_M=_PREPROCESS_BLOCK_M,
             **_LAUNCH_OPTIONS)
-        _dkdv_kernel[grid_k](*dkdv_args, **kw, COMPUTE_DSLOPE=need_dslopes, ATOMIC_DQ=atomic_dq, **_LAUNCH_OPTIONS)
+        _dkdv_kernel[grid_k](*dkdv_args, **kw, COMPUTE_DSLOPE=need_dslopes, ATOMIC_DQ=atomic_dq, HAS_BIAS=_HAS_BIAS,
+                             **_LAUNCH_OPTIONS)
         # The dQ kernel, a third of the backward, is skipped for frozen (or detached) queries and with atomic dQ.
         if need_dq and not atomic_dq:
-            _dq_kernel[grid_q](*dq_args, **kw, COMPUTE_DSLOPE=False, HEAD_PAIR=pair, **_LAUNCH_OPTIONS)
+            _dq_kernel[grid_q](*dq_args, **kw, COMPUTE_DSLOPE=False, HEAD_PAIR=pair, HAS_BIAS=_HAS_BIAS,
+                               **_LAUNCH_OPTIONS)
     if atomic_dq:
         dq.copy_(dq_acc.mul_(1.0 / math.sqrt(d)))
     dslopes = dsl.sum(dim=(0, 2)) if need_dslopes else slopes.new_zeros(slopes.shape)
@@ -892,6 +898,18 @@ def atomic_dq_enabled():
     separate dQ kernel: opt-in with ``ALIBI_TRITON_ATOMIC_DQ=1`` or :func:`atomic_dq`, and never while
     ``torch.use_deterministic_algorithms(True)`` is on (atomic adds make dQ's last bits vary from run to run)."""
     return _ATOMIC_DQ and not torch.are_deterministic_algorithms_enabled()
+
+
+@contextlib.contextmanager
+def bias_compiled_out():
+    """Benchmark baseline only: calls inside the block run the same kernels with the bias compiled out
+    (``HAS_BIAS=False``), i.e. plain attention without ALiBi, at the same launch configs."""
+    global _HAS_BIAS
+    previous, _HAS_BIAS = _HAS_BIAS, False
+    try:
+        yield
+    finally:
+        _HAS_BIAS = previous
 
 
 @contextlib.contextmanager
