@@ -9,8 +9,7 @@ fused qkv projection (as in the model), so the compiler sees the same specialisa
 
 The SASS depends on the Triton version (its passes and its bundled ptxas), so results are named
 by it: ``benchmarks/results/kernel_sass_sm90_triton<major.minor>.{md,json}``. Measure with the
-Triton the GPU machines run (3.6 with torch 2.11-2.13); a second environment gives it on any
-CPU machine::
+Triton the GPU machines run (3.6); a second environment gives it on any CPU machine::
 
     python3 -m venv /work/venv36 && /work/venv36/bin/pip install torch==2.13.0 triton==3.6.0
     PYTHONPATH=. /work/venv36/bin/python benchmarks/bench_kernel_sass.py --head-dims 64 --dtypes bfloat16
