@@ -1,21 +1,44 @@
 """Benchmark ALiBi attention backends on a CUDA device.
 
 For ViT-S/B/L head counts (6/12/16 heads, head_dim 64), 5 prefix tokens (CLS + 4 registers)
-and patch 14, images of 224/518/1036/2072 px give N = 261, 1374, 5334, 21909 tokens. The
+and patch 14, images of 224/518/1022/2072 px give N = 261, 1374, 5334, 21909 tokens. The
 batch per size is ``B = max(1, round(tokens / N))`` (``--tokens``, default 65536), so every
-size moves about the same number of tokens and fills the GPU. For each backend, mode
-(``fwd``, ``fwd+bwd``) and size it records the time (``triton.testing.do_bench``, after a
-warm-up that also covers compilation and autotuning), TFLOP/s (4·B·H·N²·D for the forward,
-3.5× that for forward+backward) and peak memory beyond the inputs, and the largest absolute
-difference of the forward output from SDPA with the materialised bias (a sanity check).
+size moves about the same number of tokens and fills the GPU.
 
-Backends: ``triton`` (fused kernel, difference-table bias), ``triton-atomic-dq`` (the same with
-the opt-in atomic dQ backward), ``triton-sqrt`` (fused kernel, per-element sqrt), ``flex`` (compiled FlexAttention with the score_mod), ``sdpa-bias``
-(SDPA with the materialised (N, N) bias), ``sdpa-nobias`` (SDPA without bias: the ceiling),
-each also pinned to one SDPA kernel (``sdpa-nobias-flash``, ``-cudnn``, ``-efficient``;
-``sdpa-bias-cudnn``, ``-efficient``; the row's ``sdpa_backend`` names it, "default" where torch
-chose), and ``eager`` (explicit softmax, where it fits). A pinned kernel the device or dtype
-lacks is reported as an error row. Out-of-memory is reported as "OOM".
+Per (model, size, mode, slopes) every backend first passes a correctness check: output and
+gradients (q, k, v, and the slopes when learned) of one batch element and two heads against an
+fp32 reference (explicit softmax, with the materialised bias for biased backends, without for the
+bias-free baselines), as max |error| / max |reference| under a dtype threshold
+(``TOLERANCE``); a backend that fails is reported as ``wrong`` and not timed. Then it records:
+
+- time: ``triton.testing.do_bench`` medians with 20/80% quantiles, in ``--repeats`` rounds that
+  interleave the backends (round r times every backend once), so drift in clocks or temperature
+  hits all of them alike; ``ms`` is the median over rounds of the round medians, ``ms_rounds``
+  lists them. do_bench flushes L2 before every call and includes host launch overhead; beside it
+  ``ms_cudagraph`` (``triton.testing.do_bench_cudagraph``) replays the call from a CUDA graph, which
+  removes host overhead (it matters at 224 px), or records why the call could not be captured;
+- TFLOP/s (4·B·H·N²·D for the forward, 3.5× that for forward+backward);
+- steady-state memory: ``resident_mib``, what a first call leaves allocated (the materialised
+  bias of ``sdpa-bias``/``eager``, built once per grid and shared by all layers), and
+  ``extra_mib``, the peak of a later call above the memory before the first (resident caches
+  included, their one-time float64 build not);
+- ``kernel``: the CUDA kernels a call launched whose names say which attention kernel ran
+  (flash, cuDNN, memory-efficient, Triton), from the torch profiler, for every SDPA row.
+
+Slopes (``--slopes``): ``constant`` (``slopes=None``: slope 1 for all heads, the paper's choice),
+``per-head`` (the ALiBi geometric sequence, fixed) and ``learned`` (the same, requiring a gradient:
+forward+backward also computes dL/dslope). Bias-free backends run once per size and mode.
+
+Backends: ``triton`` (fused kernel, difference-table bias), ``triton-atomic-dq`` (the same with the
+opt-in atomic dQ backward), ``triton-sqrt`` (fused kernel, per-element sqrt), ``triton-nobias``
+(the same fused kernels with the bias compiled out: the like-for-like ceiling), ``flex``
+(FlexAttention with the score_mod, compiled with ``mode="max-autotune-no-cudagraphs"`` so it is
+tuned like the autotuned Triton kernels), ``flex-flash`` (the same with flex's FLASH backend,
+where the installed torch has it), ``flex-nobias`` (flex without score_mod), ``sdpa-bias`` (SDPA
+with the materialised (N, N) bias), ``sdpa-nobias`` (SDPA without bias), each SDPA also pinned to
+one kernel (``sdpa-nobias-flash``, ``-cudnn``, ``-efficient``; ``sdpa-bias-cudnn``,
+``-efficient``), and ``eager`` (explicit softmax, where it fits). A backend the device, dtype or
+torch lacks is reported as an error row; out-of-memory as "OOM".
 
 Results go to ``benchmarks/results/attention_<device-slug>.{md,json}``.
 
@@ -28,7 +51,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,17 +64,23 @@ sys.path.insert(0, str(ROOT))
 from report import command_line, environment, slug, write_report  # noqa: E402
 
 MODELS = {"vit-s": 6, "vit-b": 12, "vit-l": 16}
-SIZES = (224, 518, 1036, 2072)
+SIZES = (224, 518, 1022, 2072)
 # SDPA pinned to one kernel with torch.nn.attention.sdpa_kernel (the unpinned names let torch choose;
-# on Hopper torch >= 2.10 may choose cuDNN). Flash takes no arbitrary mask, hence no sdpa-bias-flash.
+# the row's `kernel` says what ran). Flash takes no arbitrary mask, hence no sdpa-bias-flash.
 SDPA_PINNED = {"sdpa-nobias-flash": "FLASH_ATTENTION", "sdpa-nobias-cudnn": "CUDNN_ATTENTION",
                "sdpa-nobias-efficient": "EFFICIENT_ATTENTION", "sdpa-bias-cudnn": "CUDNN_ATTENTION",
                "sdpa-bias-efficient": "EFFICIENT_ATTENTION"}
-TRITON_VARIANTS = ("triton", "triton-atomic-dq", "triton-sqrt")
-BACKENDS = (*TRITON_VARIANTS, "flex", "sdpa-bias", "sdpa-nobias", *SDPA_PINNED, "eager")
-SMOKE_BACKENDS = ("triton", "triton-atomic-dq", "sdpa-bias", "sdpa-nobias", "eager")
+TRITON_VARIANTS = ("triton", "triton-atomic-dq", "triton-sqrt", "triton-nobias")
+FLEX_VARIANTS = ("flex", "flex-flash", "flex-nobias")
+BACKENDS = (*TRITON_VARIANTS, *FLEX_VARIANTS, "sdpa-bias", "sdpa-nobias", *SDPA_PINNED, "eager")
+NOBIAS = ("triton-nobias", "flex-nobias", "sdpa-nobias", "sdpa-nobias-flash", "sdpa-nobias-cudnn",
+          "sdpa-nobias-efficient")
+SMOKE_BACKENDS = ("triton", "triton-atomic-dq", "triton-nobias", "sdpa-bias", "sdpa-nobias", "eager")
 MODES = ("fwd", "fwd+bwd")
+SLOPES = ("constant", "per-head", "learned")
 PATCH, PREFIX, HEAD_DIM = 14, 5, 64
+# Correctness threshold on max |error| / max |reference| (outputs and every gradient), by input dtype.
+TOLERANCE = {"bfloat16": 4e-2, "float16": 1e-2, "float32": 1e-4}
 
 
 def parse_args(argv=None):
@@ -59,10 +90,13 @@ def parse_args(argv=None):
     p.add_argument("--sizes", nargs="+", type=int, default=list(SIZES), help="image side in px (patch 14)")
     p.add_argument("--tokens", type=int, default=65536, help="tokens per batch: B = max(1, round(tokens / N))")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--slopes", nargs="+", choices=SLOPES, default=list(SLOPES))
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=None)
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     p.add_argument("--warmup", type=float, default=25, help="do_bench warm-up, ms")
-    p.add_argument("--rep", type=float, default=100, help="do_bench measurement, ms")
+    p.add_argument("--rep", type=float, default=100, help="do_bench measurement per round, ms")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the backends")
+    p.add_argument("--no-cudagraph", action="store_true", help="skip the CUDA-graph timing")
     p.add_argument("--out-dir", type=Path, default=None,
                    help="where the .md and .json go (default: benchmarks/results/, smoke runs: benchmarks/results/smoke/)")
     p.add_argument("--smoke", action="store_true",
@@ -70,8 +104,41 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def alibi_slopes(heads):
+    """The ALiBi geometric sequence 2^(-8h/heads), h = 1..heads."""
+    import torch
+
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)])
+
+
+_FLEX = {}
+
+
+def _flex_compiled(variant):
+    """flex_attention compiled by the benchmark with its own autotuning: "bias" (the project's score_mod),
+    "flash" (the same with flex's FLASH backend), "nobias" (no score_mod)."""
+    import torch
+
+    if variant not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        from kernels.alibi_flex import _alibi_flex
+
+        if variant == "nobias":
+            fn = lambda q, k, v: flex_attention(q, k, v)  # noqa: E731
+        elif variant == "flash":
+            def fn(q, k, v, head_scale, h, w, prefix, wrap):
+                return _alibi_flex(q, k, v, head_scale, h, w, prefix, wrap, kernel_options={"BACKEND": "FLASH"})
+        else:
+            fn = _alibi_flex
+        _FLEX[variant] = torch.compile(fn, dynamic=False, mode="max-autotune-no-cudagraphs")
+    return _FLEX[variant]
+
+
 def backend_fns(names, grid, slopes=None):
-    """name -> f(q, k, v) for the requested backends (imports lazily: triton reads its env on import)."""
+    """name -> f(q, k, v, slopes) for the requested backends (imports lazily: triton reads its env on import).
+    ``slopes`` (heads,) or None is passed per call, so learned slopes receive a gradient."""
+    import torch
     import torch.nn.functional as F
 
     from kernels.attention import eager_alibi_attention, sdpa_alibi_attention
@@ -81,47 +148,108 @@ def backend_fns(names, grid, slopes=None):
         if name in TRITON_VARIANTS:
             from kernels.alibi_triton import triton_alibi_attention
             mode = "sqrt" if name == "triton-sqrt" else "table"
-            fns[name] = (lambda q, k, v, _m=mode: triton_alibi_attention(q, k, v, grid, PREFIX, slopes, True, True,
-                                                                         bias_mode=_m))
-        elif name == "flex":
-            from kernels.alibi_flex import flex_alibi_attention
-            fns[name] = lambda q, k, v: flex_alibi_attention(q, k, v, grid, PREFIX, slopes, True, True)
+            fns[name] = (lambda q, k, v, s, _m=mode: triton_alibi_attention(q, k, v, grid, PREFIX, s, True, True,
+                                                                            bias_mode=_m))
+        elif name in ("flex", "flex-flash"):
+            from kernels.alibi_bias import max_distance
+
+            norm = 1.0 / max_distance(grid, True)
+
+            def fn(q, k, v, s, _v="flash" if name == "flex-flash" else "bias"):
+                scale = (torch.ones(q.shape[1], device=q.device) if s is None else s.float()) * norm
+                return _flex_compiled(_v)(q, k, v, scale, grid[0], grid[1], PREFIX, True)
+            fns[name] = fn
+        elif name == "flex-nobias":
+            fns[name] = lambda q, k, v, s: _flex_compiled("nobias")(q, k, v)
         elif name == "sdpa-bias":
-            fns[name] = lambda q, k, v: sdpa_alibi_attention(q, k, v, grid, PREFIX, slopes, True, True)
+            fns[name] = lambda q, k, v, s: sdpa_alibi_attention(q, k, v, grid, PREFIX, s, True, True)
         elif name == "sdpa-nobias":
-            fns[name] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v)
+            fns[name] = lambda q, k, v, s: F.scaled_dot_product_attention(q, k, v)
         elif name in SDPA_PINNED:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             kernel = getattr(SDPBackend, SDPA_PINNED[name])
             if name.startswith("sdpa-bias"):
-                def fn(q, k, v, _kernel=kernel):
+                def fn(q, k, v, s, _kernel=kernel):
                     with sdpa_kernel(_kernel):
-                        return sdpa_alibi_attention(q, k, v, grid, PREFIX, slopes, True, True)
+                        return sdpa_alibi_attention(q, k, v, grid, PREFIX, s, True, True)
             else:
-                def fn(q, k, v, _kernel=kernel):
+                def fn(q, k, v, s, _kernel=kernel):
                     with sdpa_kernel(_kernel):
                         return F.scaled_dot_product_attention(q, k, v)
             fns[name] = fn
         elif name == "eager":
-            fns[name] = lambda q, k, v: eager_alibi_attention(q, k, v, grid, PREFIX, slopes, True, True)
+            fns[name] = lambda q, k, v, s: eager_alibi_attention(q, k, v, grid, PREFIX, s, True, True)
     return fns
 
 
 def backend_context(name):
     """The context a backend's calls (backward included) run in: atomic dQ on for ``triton-atomic-dq``, off
-    for the other triton variants, nothing for the rest."""
+    for the other triton variants, the bias compiled out for ``triton-nobias``, nothing for the rest."""
     if name not in TRITON_VARIANTS:
         return contextlib.nullcontext()
-    from kernels.alibi_triton import atomic_dq
+    from kernels.alibi_triton import atomic_dq, bias_compiled_out
 
-    return atomic_dq(name == "triton-atomic-dq")
+    stack = contextlib.ExitStack()
+    stack.enter_context(atomic_dq(name == "triton-atomic-dq"))
+    if name == "triton-nobias":
+        stack.enter_context(bias_compiled_out())
+    return stack
 
 
-def cuda_timer(warmup, rep):
+def relative_error(got, ref):
+    return ((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+
+def check(name, fn, q, k, v, slopes, grid, dout, with_grad, dtype_name):
+    """Max relative error of output and gradients of one batch element and two heads against an fp32
+    explicit-softmax reference; returns (worst error, per-tensor errors)."""
+    import torch
+
+    from kernels.alibi_bias import alibi_bias
+
+    sl = (lambda t: t[:1, :2].detach())  # noqa: E731
+    qs, ks, vs, ds = sl(q), sl(k), sl(v), sl(dout)
+    s = None if slopes is None else slopes[:2].detach().clone().requires_grad_(slopes.requires_grad)
+    leaves = [t.clone().requires_grad_(with_grad) for t in (qs, ks, vs)]
+    ref_leaves = [t.float().clone().requires_grad_(with_grad) for t in (qs, ks, vs)]
+    s_ref = None if s is None else s.detach().float().clone().requires_grad_(s.requires_grad)
+    with backend_context(name), torch.set_grad_enabled(with_grad):
+        out = fn(*leaves, s)
+        scores = ref_leaves[0] @ ref_leaves[1].transpose(-2, -1) / math.sqrt(qs.shape[-1])
+        if name not in NOBIAS:
+            bias = alibi_bias(grid, PREFIX, wrap=True, normalize=True, device=q.device, dtype=torch.float32)
+            m = torch.ones(2, device=q.device) if s_ref is None else s_ref
+            scores = scores + m.view(1, -1, 1, 1) * bias
+        ref = scores.softmax(-1) @ ref_leaves[2]
+        errors = {"out": relative_error(out, ref)}
+        if with_grad:
+            inputs, ref_inputs = list(leaves), list(ref_leaves)
+            if s is not None and s.requires_grad and name not in NOBIAS:
+                inputs.append(s)
+                ref_inputs.append(s_ref)
+            grads = torch.autograd.grad(out, inputs, ds)
+            ref_grads = torch.autograd.grad(ref, ref_inputs, ds.float())
+            for label, g, r in zip(("dq", "dk", "dv", "dslopes"), grads, ref_grads):
+                errors[label] = relative_error(g, r)
+    return max(errors.values()), {key: round(val, 6) for key, val in errors.items()}
+
+
+def attention_kernels(call):
+    """Names of the CUDA kernels one call launched that look like attention kernels (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+    names = {e.key for e in prof.key_averages()}
+    keys = ("flash", "fmha", "cudnn", "efficient", "mem_eff", "attention", "triton", "sdpa")
+    return sorted(n for n in names if any(k in n.lower() for k in keys))[:6]
+
+
+def gpu_timer(warmup, rep):
     import triton.testing
 
-    return lambda fn: triton.testing.do_bench(fn, warmup=warmup, rep=rep)
+    return lambda fn: tuple(triton.testing.do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5, 0.2, 0.8]))
 
 
 def cpu_timer(fn, iters=1):
@@ -129,7 +257,22 @@ def cpu_timer(fn, iters=1):
     start = time.perf_counter()
     for _ in range(iters):
         fn()
-    return (time.perf_counter() - start) / iters * 1e3
+    t = (time.perf_counter() - start) / iters * 1e3
+    return t, t, t
+
+
+def cudagraph_time(fn, rep):
+    import torch
+    import triton.testing
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # do_bench_cudagraph captures on a side stream
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, quantiles=[0.5, 0.2, 0.8])
+
+
+def _error_status(exc):
+    first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
+    return f"error: {type(exc).__name__}: {first_line}"
 
 
 def run(args):
@@ -139,17 +282,18 @@ def run(args):
 
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else getattr(torch, args.dtype)
+    dtype_name = "float32" if args.smoke else args.dtype
     names = args.backends or (SMOKE_BACKENDS if args.smoke else BACKENDS)
     if args.smoke:
         names = [n for n in names if n in SMOKE_BACKENDS]
         models = {"tiny": 2}
         sizes, head_dim, batch_of = (70,), 32, (lambda n: 2)
-        timer = cpu_timer
+        timer, repeats = cpu_timer, 1
     else:
         models = {m: MODELS[m] for m in args.models}
         sizes, head_dim = args.sizes, HEAD_DIM
         batch_of = lambda n: max(1, round(args.tokens / n))  # noqa: E731
-        timer = cuda_timer(args.warmup, args.rep)
+        timer, repeats = gpu_timer(args.warmup, args.rep), max(1, args.repeats)
 
     rows = []
     for model, heads in models.items():
@@ -159,102 +303,133 @@ def run(args):
             bsz = batch_of(n)
             gen = torch.Generator(device="cpu").manual_seed(0)
             q, k, v, dout = (torch.randn(bsz, heads, n, head_dim, generator=gen).to(device, dtype) for _ in range(4))
-            # Compiled flex specialises on every shape: without a reset the sweep (3 models × 4 sizes)
-            # would pass torch's recompile limit and time flex's unfused eager fallback instead.
+            # Compiled flex specialises on every shape: without a reset the sweep would pass torch's
+            # recompile limit and time flex's unfused eager fallback instead.
             torch._dynamo.reset()
+            _FLEX.clear()
             fns = backend_fns(names, grid)
-            reference = None
-            if "fwd" in args.modes:
-                try:  # the sanity reference every backend's forward output is compared with
-                    with torch.no_grad():
-                        reference = backend_fns(["sdpa-bias"], grid)["sdpa-bias"](q, k, v).float()
-                except torch.cuda.OutOfMemoryError:
-                    reference = None
-                finally:
-                    cached_alibi_bias.cache_clear()
             for mode in args.modes:
-                for name, fn in fns.items():
-                    if mode == "fwd" and name == "triton-atomic-dq":
-                        continue  # its forward is triton's
-                    row = dict(model=model, heads=heads, image_px=px, grid=list(grid), N=n, batch=bsz, mode=mode,
-                               backend=name, ms=None, tflops=None, peak_mib=None, extra_mib=None,
-                               max_abs_diff_vs_sdpa_bias=None, status="ok",
-                               sdpa_backend=(SDPA_PINNED.get(name, "default") if name.startswith("sdpa") else None))
-                    leaves = [t.detach().requires_grad_(mode == "fwd+bwd") for t in (q, k, v)]
-                    if mode == "fwd":
-                        def call(fn=fn, leaves=leaves):
-                            with torch.no_grad():
-                                return fn(*leaves)
-                    else:
-                        def call(fn=fn, leaves=leaves, name=name):
-                            with backend_context(name):
-                                return torch.autograd.grad(fn(*leaves), leaves, dout)
-                    try:
-                        first = call()  # compile / autotune / build tables before anything is measured
-                        if mode == "fwd" and reference is not None:
-                            row["max_abs_diff_vs_sdpa_bias"] = (first.float() - reference).abs().max().item()
-                        del first
-                        if device == "cuda":
-                            cached_alibi_bias.cache_clear()  # count the materialised bias in the peak
-                            torch.cuda.synchronize()
-                            torch.cuda.empty_cache()
-                            torch.cuda.reset_peak_memory_stats()
-                            base = torch.cuda.memory_allocated()
-                            call()
-                            torch.cuda.synchronize()
-                            peak = torch.cuda.max_memory_allocated()
-                            row["peak_mib"] = round(peak / 2**20, 1)
-                            row["extra_mib"] = round((peak - base) / 2**20, 1)
-                        ms = timer(call)
-                        flops = 4.0 * bsz * heads * n * n * head_dim * (3.5 if mode == "fwd+bwd" else 1.0)
-                        row.update(ms=round(ms, 4), tflops=round(flops / (ms * 1e-3) / 1e12, 2))
-                    except torch.cuda.OutOfMemoryError:
-                        row["status"] = "OOM"
-                    except Exception as exc:  # one failing backend must not end the sweep
-                        first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
-                        row["status"] = f"error: {type(exc).__name__}: {first_line}"
-                    finally:
-                        if device == "cuda":
-                            cached_alibi_bias.cache_clear()
-                            torch.cuda.empty_cache()
-                    rows.append(row)
-                    print(f"{model:6s} {px:5d}px N={n:6d} B={bsz:4d} {mode:8s} {name:12s} "
-                          f"{row['ms'] if row['ms'] is not None else '-':>10} ms  "
-                          f"{row['tflops'] if row['tflops'] is not None else '-':>8} TFLOP/s  "
-                          f"peak {row['peak_mib'] if row['peak_mib'] is not None else '-'} MiB  {row['status']}",
-                          flush=True)
-            del reference
+                for slope_kind in args.slopes:
+                    if slope_kind == "learned" and mode == "fwd":
+                        continue  # a forward does not know whether slopes are learned
+                    slopes = None if slope_kind == "constant" else alibi_slopes(heads).to(device)
+                    learned = slope_kind == "learned"
+                    entries, first = [], len(rows)
+                    for name, fn in fns.items():
+                        if (mode == "fwd" and name == "triton-atomic-dq") or (name in NOBIAS and slope_kind != "constant"):
+                            continue  # atomic dQ's forward is triton's; bias-free backends ignore slopes
+                        row = dict(model=model, heads=heads, image_px=px, grid=list(grid), N=n, batch=bsz, mode=mode,
+                                   slopes=slope_kind if name not in NOBIAS else None, backend=name, ms=None,
+                                   ms_p20=None, ms_p80=None, ms_rounds=[], ms_cudagraph=None, cudagraph_status=None,
+                                   tflops=None, resident_mib=None, extra_mib=None, errors=None, status="ok",
+                                   sdpa_backend=(SDPA_PINNED.get(name, "default") if name.startswith("sdpa") else None),
+                                   kernel=None)
+                        leaves = [t.detach().requires_grad_(mode == "fwd+bwd") for t in (q, k, v)]
+                        sl = None if slopes is None else slopes.detach().clone().requires_grad_(learned)
+                        if mode == "fwd":
+                            def call(fn=fn, leaves=leaves, sl=sl, name=name):
+                                with torch.no_grad(), backend_context(name):
+                                    return fn(*leaves, sl)
+                        else:
+                            inputs = leaves + ([sl] if learned and name not in NOBIAS else [])
+
+                            def call(fn=fn, leaves=leaves, sl=sl, name=name, inputs=inputs):
+                                with backend_context(name):
+                                    return torch.autograd.grad(fn(*leaves, sl), inputs, dout)
+                        try:
+                            worst, row["errors"] = check(name, fn, q, k, v, sl, grid, dout, mode == "fwd+bwd",
+                                                         dtype_name)
+                            if not worst <= TOLERANCE[dtype_name]:
+                                row["status"] = f"wrong: max relative error {worst:.3g} > {TOLERANCE[dtype_name]}"
+                            else:
+                                if device == "cuda":
+                                    cached_alibi_bias.cache_clear()
+                                    torch.cuda.synchronize()
+                                    torch.cuda.empty_cache()
+                                    base = torch.cuda.memory_allocated()
+                                call()  # compile / autotune / build tables and caches
+                                if device == "cuda":
+                                    torch.cuda.synchronize()
+                                    row["resident_mib"] = round((torch.cuda.memory_allocated() - base) / 2**20, 1)
+                                    torch.cuda.reset_peak_memory_stats()
+                                    call()  # steady state: caches in place, their one-time build not counted
+                                    torch.cuda.synchronize()
+                                    row["extra_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+                                    if name.startswith("sdpa") or name in ("triton", "triton-nobias"):
+                                        row["kernel"] = attention_kernels(call)
+                                entries.append((row, call))
+                        except torch.cuda.OutOfMemoryError:
+                            row["status"] = "OOM"
+                        except Exception as exc:  # one failing backend must not end the sweep
+                            row["status"] = _error_status(exc)
+                        rows.append(row)
+                    # Interleaved rounds: round r times every backend once.
+                    for _ in range(repeats):
+                        for row, call in entries:
+                            if not row["status"] == "ok":
+                                continue
+                            try:
+                                row["ms_rounds"].append([round(x, 4) for x in timer(call)])
+                            except torch.cuda.OutOfMemoryError:
+                                row["status"] = "OOM"
+                            except Exception as exc:
+                                row["status"] = _error_status(exc)
+                    for row, call in entries:
+                        if row["ms_rounds"] and row["status"] == "ok":
+                            row["ms"] = statistics.median(r[0] for r in row["ms_rounds"])
+                            row["ms_p20"] = statistics.median(r[1] for r in row["ms_rounds"])
+                            row["ms_p80"] = statistics.median(r[2] for r in row["ms_rounds"])
+                            flops = 4.0 * bsz * heads * n * n * head_dim * (3.5 if mode == "fwd+bwd" else 1.0)
+                            row["tflops"] = round(flops / (row["ms"] * 1e-3) / 1e12, 2)
+                            if device == "cuda" and not args.no_cudagraph:
+                                try:
+                                    row["ms_cudagraph"] = round(cudagraph_time(call, args.rep)[0], 4)
+                                    row["cudagraph_status"] = "ok"
+                                except Exception as exc:
+                                    row["cudagraph_status"] = _error_status(exc)
+                    for row in rows[first:]:
+                        print(f"{model:6s} {px:5d}px N={n:6d} B={bsz:4d} {mode:8s} {row['slopes'] or '-':8s} "
+                              f"{row['backend']:18s} {row['ms'] if row['ms'] is not None else '-':>10} ms "
+                              f"(graph {row['ms_cudagraph'] if row['ms_cudagraph'] is not None else '-'})  "
+                              f"{row['tflops'] if row['tflops'] is not None else '-':>8} TFLOP/s  "
+                              f"extra {row['extra_mib'] if row['extra_mib'] is not None else '-'} MiB  "
+                              f"{row['status']}", flush=True)
+                    if device == "cuda":
+                        cached_alibi_bias.cache_clear()
+                        torch.cuda.empty_cache()
     return rows
 
 
 def ratios(rows):
-    """Per size and mode: time of each other backend divided by the triton variant's time."""
-    out = []
+    """Per size, mode and slopes: each baseline's time divided by the triton variant's (> 1: triton is
+    faster), memory against the fastest bias-free SDPA kernel."""
     keyed = {}
     for r in rows:
         if r["ms"] is not None:
-            keyed[(r["model"], r["image_px"], r["mode"], r["backend"])] = r["ms"]
-    seen = []
+            keyed[(r["model"], r["image_px"], r["mode"], r["slopes"], r["backend"])] = r
+    groups = []
     for r in rows:
-        key = (r["model"], r["image_px"], r["mode"])
-        if key not in seen:
-            seen.append(key)
-    for model, px, mode in seen:
-        for variant in TRITON_VARIANTS:
-            t = keyed.get((model, px, mode, variant))
+        key = (r["model"], r["image_px"], r["mode"], r["slopes"])
+        if r["slopes"] is not None and key not in groups:
+            groups.append(key)
+    out = []
+    for model, px, mode, slopes in groups:
+        def get(backend, _s=slopes):
+            return keyed.get((model, px, mode, None if backend in NOBIAS else _s, backend))
+        for variant in ("triton", "triton-atomic-dq", "triton-sqrt"):
+            t = get(variant)
             if t is None:
                 continue
-            entry = dict(model=model, image_px=px, mode=mode, triton_variant=variant)
-            for other in ("sdpa-nobias", "flex", "sdpa-bias"):
-                t_other = keyed.get((model, px, mode, other))
-                # > 1: triton is faster; for sdpa-nobias this is the fraction of the no-bias ceiling.
-                entry[f"speed_vs_{other}"] = round(t_other / t, 3) if t_other is not None else None
-            # The true ceiling: the fastest SDPA kernel without bias, pinned or not.
-            nobias = {b: keyed[(model, px, mode, b)] for b in ("sdpa-nobias", *SDPA_PINNED)
-                      if b.startswith("sdpa-nobias") and (model, px, mode, b) in keyed}
-            best = min(nobias, key=nobias.get) if nobias else None
-            entry["best_sdpa_nobias"] = best
-            entry["speed_vs_best_sdpa_nobias"] = round(nobias[best] / t, 3) if best else None
+            entry = dict(model=model, image_px=px, mode=mode, slopes=slopes, triton_variant=variant)
+            for other in ("triton-nobias", "flex", "flex-flash", "sdpa-bias", "sdpa-nobias"):
+                o = get(other)
+                entry[f"speed_vs_{other}"] = round(o["ms"] / t["ms"], 3) if o else None
+            nobias = [get(b) for b in NOBIAS if b.startswith("sdpa-nobias") and get(b)]
+            best = min(nobias, key=lambda r: r["ms"]) if nobias else None
+            entry["best_sdpa_nobias"] = best and best["backend"]
+            entry["speed_vs_best_sdpa_nobias"] = round(best["ms"] / t["ms"], 3) if best else None
+            entry["memory_vs_best_sdpa_nobias"] = (round(t["extra_mib"] / best["extra_mib"], 3)
+                                                   if best and t["extra_mib"] and best["extra_mib"] else None)
             out.append(entry)
     return out
 
@@ -267,27 +442,36 @@ def write_reports(args, rows, ratio_rows, meta):
              f"- command: `{meta['command']}`",
              f"- torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, python {meta['python']}",
              f"- dtype {meta['dtype']}, head_dim {meta['head_dim']}, prefix tokens {PREFIX}, patch {PATCH}, "
-             f"batch rule: {meta['batch_rule']}",
-             "- TFLOP/s counts 4·B·H·N²·D for the forward and 3.5× that for forward+backward; "
-             "extra MiB is peak memory beyond the inputs (includes the materialised bias for sdpa-bias/eager).",
+             f"batch rule: {meta['batch_rule']}, {meta['repeats']} interleaved rounds",
+             "- ms: median over rounds of do_bench medians (p20-p80 beside it); graph ms: CUDA-graph replay "
+             "(no host overhead). TFLOP/s counts 4·B·H·N²·D for the forward and 3.5× that for forward+backward. "
+             "resident MiB: what a first call leaves allocated (materialised bias); extra MiB: steady-state peak "
+             "beyond the inputs. error: worst relative error of output and gradients against fp32 (threshold "
+             f"{TOLERANCE[meta['dtype']]}).",
              "",
-             "| model | px | N | B | mode | backend | SDPA kernel | ms | TFLOP/s | peak MiB | extra MiB "
-             "| max abs diff vs sdpa-bias | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | px | N | B | mode | slopes | backend | kernel | ms | p20-p80 | graph ms | TFLOP/s | "
+             "resident MiB | extra MiB | error | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['image_px']} | {r['N']} | {r['batch']} | {r['mode']} | {r['backend']} | "
-                     f"{r['sdpa_backend'] or '-'} | {fmt(r['ms'], 3)} | {fmt(r['tflops'])} | {fmt(r['peak_mib'], 1)} | "
-                     f"{fmt(r['extra_mib'], 1)} | "
-                     f"{fmt(r['max_abs_diff_vs_sdpa_bias'], 4)} | {r['status']} |")
-    lines += ["", "Speed ratios (other backend's time / triton's time; > 1 means triton is faster; "
-              "against sdpa-nobias it is the fraction of the no-bias flash ceiling):", "",
-              "| model | px | mode | triton variant | vs sdpa-nobias | vs fastest sdpa-nobias (which) | vs flex "
-              "| vs sdpa-bias |",
-              "|---|---|---|---|---|---|---|---|"]
+        kernel = r["sdpa_backend"] or "-"
+        if r["kernel"]:
+            kernel += ": " + ", ".join(k[:40] for k in r["kernel"][:2])
+        err = max(r["errors"].values()) if r["errors"] else None
+        spread = f"{fmt(r['ms_p20'], 3)}-{fmt(r['ms_p80'], 3)}" if r["ms_p20"] is not None else "-"
+        lines.append(f"| {r['model']} | {r['image_px']} | {r['N']} | {r['batch']} | {r['mode']} | "
+                     f"{r['slopes'] or '-'} | {r['backend']} | {kernel} | {fmt(r['ms'], 3)} | {spread} | "
+                     f"{fmt(r['ms_cudagraph'], 3)} | {fmt(r['tflops'])} | {fmt(r['resident_mib'], 1)} | "
+                     f"{fmt(r['extra_mib'], 1)} | {fmt(err, 4)} | {r['status']} |")
+    lines += ["", "Speed ratios (other backend's time / triton's time; > 1 means triton is faster) and memory "
+              "(triton's extra MiB / the fastest bias-free SDPA kernel's):", "",
+              "| model | px | mode | slopes | triton variant | vs triton-nobias | vs fastest sdpa-nobias (which) | "
+              "memory vs it | vs flex | vs flex-flash | vs sdpa-bias |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in ratio_rows:
-        lines.append(f"| {e['model']} | {e['image_px']} | {e['mode']} | {e['triton_variant']} | "
-                     f"{fmt(e['speed_vs_sdpa-nobias'], 3)} | {fmt(e['speed_vs_best_sdpa_nobias'], 3)} "
-                     f"({e['best_sdpa_nobias'] or '-'}) | {fmt(e['speed_vs_flex'], 3)} | "
+        lines.append(f"| {e['model']} | {e['image_px']} | {e['mode']} | {e['slopes']} | {e['triton_variant']} | "
+                     f"{fmt(e['speed_vs_triton-nobias'], 3)} | {fmt(e['speed_vs_best_sdpa_nobias'], 3)} "
+                     f"({e['best_sdpa_nobias'] or '-'}) | {fmt(e['memory_vs_best_sdpa_nobias'], 3)} | "
+                     f"{fmt(e['speed_vs_flex'], 3)} | {fmt(e['speed_vs_flex-flash'], 3)} | "
                      f"{fmt(e['speed_vs_sdpa-bias'], 3)} |")
     return write_report(args.out_dir, f"attention_{meta['device_slug']}",
                         {**meta, "rows": rows, "ratios": ratio_rows}, lines, smoke=args.smoke)
@@ -308,6 +492,7 @@ def main(argv=None):
         device=device, device_slug=slug("cpu-smoke" if args.smoke else device), **environment(),
         dtype="float32" if args.smoke else args.dtype, head_dim=32 if args.smoke else HEAD_DIM,
         batch_rule="B = 2" if args.smoke else f"B = max(1, round({args.tokens} / N))",
+        repeats=1 if args.smoke else max(1, args.repeats),
         smoke=bool(args.smoke),
     )
     rows = run(args)

@@ -153,17 +153,33 @@ def bias_lookup(grid_size, num_prefix_tokens: int, *, wrap: bool = True, normali
     return codes, torch.zeros(1, dtype=torch.float64), 0, 0, float(norm)
 
 
+# The fused kernels load codes in whole tiles without a mask: rows are padded to a multiple of this,
+# the largest tile any launch config uses.
+CODE_PAD = 128
+
+
 @lru_cache(maxsize=64)
 def device_bias_lookup(h: int, w: int, prefix: int, wrap: bool, normalize: bool, table: bool, device: torch.device,
                        metric: str = "euclidean"):
-    """:func:`bias_lookup` in the fused kernel's types on ``device``, built once per grid and options:
-    (codes int32 (2, N), table fp32, q_pad, k_pad, bias_norm)."""
+    """:func:`bias_lookup` in the fused kernel's form on ``device``, built once per grid and options:
+    ``(codes, table, bias_norm)`` with codes int32 of shape (2, ⌈N / CODE_PAD⌉·CODE_PAD) and table fp32.
+
+    The codes of tokens past N repeat the prefix tokens' (``q_pad``, ``k_pad``: zero bias, or row -1
+    in sqrt mode), so the kernels load whole tiles without masks; in table mode the key row holds
+    ``-b_j`` (pre-negated), so the kernels' gathers add a query and a key code."""
     codes, values, q_pad, k_pad, bias_norm = bias_lookup((h, w), prefix, wrap=wrap, normalize=normalize, table=table,
                                                          metric=metric)
     if codes.abs().max() >= 2**31 or values.numel() >= 2**31:
         raise ValueError(f"grid {h}x{w} is too large for int32 bias codes")
-    return (codes.to(device=device, dtype=torch.int32), values.to(device=device, dtype=torch.float32),
-            q_pad, k_pad, bias_norm)
+    n = codes.shape[1]
+    padded = torch.empty(2, -(-n // CODE_PAD) * CODE_PAD, dtype=torch.int64)
+    padded[:, :n] = codes
+    if table:
+        padded[0, n:], padded[1, n:] = q_pad, k_pad
+        padded[1] = -padded[1]
+    else:
+        padded[0, n:], padded[1, n:] = -1, 0
+    return padded.to(device=device, dtype=torch.int32), values.to(device=device, dtype=torch.float32), bias_norm
 
 
 @lru_cache(maxsize=16)

@@ -36,7 +36,8 @@ __all__ = ["flex_alibi_attention"]
 _COMPILED = None
 
 
-def _alibi_flex(q, k, v, head_scale, h: int, w: int, prefix: int, wrap: bool, manhattan: bool = False):
+def _alibi_flex(q, k, v, head_scale, h: int, w: int, prefix: int, wrap: bool, manhattan: bool = False,
+                kernel_options=None):
     def score_mod(score, b, head, q_idx, kv_idx):
         # Prefix tokens give negative "patch" indices; their bias is masked to 0 below.
         qp = q_idx - prefix
@@ -53,7 +54,7 @@ def _alibi_flex(q, k, v, head_scale, h: int, w: int, prefix: int, wrap: bool, ma
         bias = torch.where((q_idx >= prefix) & (kv_idx >= prefix), -dist * head_scale[head], torch.zeros_like(dist))
         return score + bias.to(score.dtype)
 
-    return flex_attention(q, k, v, score_mod=score_mod)
+    return flex_attention(q, k, v, score_mod=score_mod, kernel_options=kernel_options)
 
 
 def _compiled():

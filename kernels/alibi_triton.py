@@ -28,9 +28,11 @@ The bias is derived per tile, never materialised. Two interchangeable ways (``bi
   ``C = (h-1)(2w-1) + (w-1)``; then ``a_i - b_j`` is the row-major index of the offset
   ``(row_i-row_j, col_i-col_j)`` in a ``(2h-1)×(2w-1)`` table of ``-d̂`` with wrapping and
   normalisation applied. Prefix (and out-of-range) tokens get codes that land in an appended
-  run of zeros. Each call scales the table per head by ``m_h·log2(e)`` (a (heads, O(h·w))
+  run of zeros. Key codes are stored negated and both rows are padded past N to whole tiles
+  (``kernels.alibi_bias.device_bias_lookup``), so codes load without masks and the gather adds.
+  Each call scales the table per head by ``m_h·log2(e)`` (a (heads, O(h·w))
   array), and each program turns the codes of its resident tile into pointers once, outside
-  its loop (``Tbl + a_i``, or ``Tbl - b_j`` in the dK/dV kernel). Per element that leaves one
+  its loop (``Tbl + a_i``, or ``Tbl + (-b_j)`` in the dK/dV kernel). Per element that leaves one
   64-bit multiply-add for the address, one gathered load from a table that stays in L1/L2,
   and one add into the logits — no abs/min/sqrt, no multiply by the slope — which matters
   because at head_dim 64 the MUFU unit is already as busy with ``exp2`` as the tensor cores
@@ -101,7 +103,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .alibi_bias import check_grid, check_metric, device_bias_lookup
+from .alibi_bias import CODE_PAD, check_grid, check_metric, device_bias_lookup
 
 __all__ = ["BIAS_MODES", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "atomic_dq", "atomic_dq_enabled",
            "triton_alibi_attention"]
@@ -118,6 +120,7 @@ _MAX_GRID_YZ = 65535
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _AUTOTUNE = os.environ.get("ALIBI_TRITON_AUTOTUNE", "1") != "0"
 _ATOMIC_DQ = os.environ.get("ALIBI_TRITON_ATOMIC_DQ", "0") == "1"
+_HAS_BIAS = True  # False only inside bias_compiled_out() (a benchmark baseline)
 DEFAULT_BIAS_MODE = os.environ.get("ALIBI_TRITON_BIAS", "table")
 if DEFAULT_BIAS_MODE not in BIAS_MODES:
     raise ValueError(f"ALIBI_TRITON_BIAS must be one of {BIAS_MODES}, got {DEFAULT_BIAS_MODE!r}")
@@ -135,12 +138,13 @@ def _cfg(block_m, block_n, warps, stages):
 # the first is used. A call's class is (head_dim <= 64 ? "small" : "large", bias mode), or "fp32"
 # for fp32 inputs. In the backward kernels BLOCK_N is the resident key tile of the dK/dV kernel
 # and BLOCK_M the resident query tile of the dQ kernel. Registers, spills and instructions per
-# score of every entry are measured by benchmarks/bench_kernel_sass.py (sm_90, triton 3.9;
-# benchmarks/results/kernel_sass_sm90.md), which chose the first entries. Table mode, 16-bit:
-# no spills at head_dim <= 64 (head pairs and atomic dQ included); at 128 the first forward, dK/dV
-# and dQ configs spill 112, 8 and 16 bytes, none of them reloaded inside the main loop (every
-# 64-wide key tile there spills: narrower tiles cost more instructions per score), while the
-# atomic-dQ dK/dV kernel at 128 spills inside its loop. A 128x128 tile spills heavily in table
+# score of every entry are measured by benchmarks/bench_kernel_sass.py (sm_90;
+# benchmarks/results/kernel_sass_sm90_triton3.6.md, the Triton the GPU machines run, with 3.9 beside
+# it), which chose the first entries; the dK/dV default (64x64, 4 warps, 3 stages) was re-ranked on
+# 3.6, where it matches 64x128 with 8 warps by the serial bound, pipelines the bias gather and fits
+# 2 CTAs/SM. Table mode, 16-bit, head_dim <= 64: no spills and no ptxas C7515 on 3.6 or 3.9. At 128
+# the atomic-dQ dK/dV kernel gets C7515 on 3.6 and spills inside its loop. A 128x128 tile spills
+# heavily in table
 # mode. The sqrt mode is a reference: two configs each. fp32 inputs with exact ("ieee") products
 # use no tensor cores and far more registers: small tiles only, and even those spill; fp32 is a
 # correctness path.
@@ -152,7 +156,7 @@ _FWD_CONFIGS = {
     "fp32": [_cfg(32, 32, 4, 2), _cfg(64, 32, 4, 2)],
 }
 _DKDV_CONFIGS = {
-    ("small", "table"): [_cfg(64, 128, 8, 2), _cfg(64, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3)],
+    ("small", "table"): [_cfg(64, 64, 4, 3), _cfg(64, 128, 8, 2), _cfg(64, 64, 8, 2), _cfg(32, 64, 4, 3)],
     ("small", "sqrt"): [_cfg(64, 128, 8, 2), _cfg(64, 64, 8, 2)],
     ("large", "table"): [_cfg(32, 64, 4, 3), _cfg(64, 64, 8, 2)],
     ("large", "sqrt"): [_cfg(64, 64, 8, 2), _cfg(32, 64, 4, 3)],
@@ -169,6 +173,9 @@ _CONFIGS = {"fwd": _FWD_CONFIGS, "dkdv": _DKDV_CONFIGS, "dq": _DQ_CONFIGS}
 # The interpreter runs programs one by one on the CPU: small, unequal tiles keep tests fast and
 # still exercise several blocks, partial tail blocks and BLOCK_M != BLOCK_N.
 _INTERPRET_CONFIGS = {"fwd": [_cfg(16, 32, 4, 1)], "dkdv": [_cfg(32, 16, 4, 1)], "dq": [_cfg(16, 32, 4, 1)]}
+# Codes are padded on the host to a multiple of CODE_PAD and loaded without masks: no tile may be wider.
+assert all(max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) <= CODE_PAD
+           for table in (*_CONFIGS.values(), _INTERPRET_CONFIGS) for cs in table.values() for c in cs)
 
 
 def n_bucket(n):
@@ -230,23 +237,24 @@ def _autotune(kind):
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _load_codes(Codes, offs, N, pad, IS_KEY: tl.constexpr, TABLE: tl.constexpr):
-    """Per-token bias coordinates for a vector of token indices.
+def _load_codes(Codes, offs, code_stride, IS_KEY: tl.constexpr, TABLE: tl.constexpr):
+    """Per-token bias coordinates for a vector of token indices, loaded without a mask: the host pads
+    Codes (row stride ``code_stride``) past N to a whole number of the largest tile
+    (:func:`kernels.alibi_bias.device_bias_lookup`).
 
-    TABLE: returns (code, code) with query codes in row 0 and key codes in row 1 of Codes;
-    out-of-range tokens get ``pad``, which points into the zero run of the table.
+    TABLE: returns (code, code) with query codes in row 0 and negated key codes in row 1 of Codes;
+    prefix and out-of-range tokens have codes that point into the zero run of the table.
     sqrt: returns (row, col) with row = -1 for prefix and out-of-range tokens.
     """
-    mask = offs < N
     if TABLE:
         if IS_KEY:
-            code = tl.load(Codes + N + offs, mask=mask, other=pad)
+            code = tl.load(Codes + code_stride + offs)
         else:
-            code = tl.load(Codes + offs, mask=mask, other=pad)
+            code = tl.load(Codes + offs)
         return code, code
     else:
-        row = tl.load(Codes + offs, mask=mask, other=-1)
-        col = tl.load(Codes + N + offs, mask=mask, other=0)
+        row = tl.load(Codes + offs)
+        col = tl.load(Codes + code_stride + offs)
         return row, col
 
 
@@ -258,12 +266,12 @@ def _bias_tile(qa, qb, ka, kb, Tbl, h, w,
     Shape (queries, keys), or (keys, queries) when KEYS_FIRST.
     """
     if TABLE:
-        # The resident side arrives as pointers (Tbl + query code, or Tbl - key code), built once
-        # outside the loop: one 64-bit multiply-add per element forms the address.
+        # The resident side arrives as pointers (Tbl + query code, or Tbl + negated key code), built
+        # once outside the loop: one 64-bit multiply-add per element forms the address.
         if KEYS_FIRST:
             bias = tl.load(ka[:, None] + qa[None, :])
         else:
-            bias = tl.load(qa[:, None] - ka[None, :])
+            bias = tl.load(qa[:, None] + ka[None, :])
     else:
         if KEYS_FIRST:
             dy = ka[:, None] - qa[None, :]
@@ -297,19 +305,19 @@ def _scaled_bias(bias, b_scale, TABLE: tl.constexpr):
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _row_bias(qa, qb, start_n, Codes, Tbl, N, h, w, k_pad, b_scale,
+def _row_bias(qa, qb, start_n, Codes, Tbl, N, h, w, code_stride, b_scale,
               BLOCK_N: tl.constexpr, TABLE: tl.constexpr, WRAP: tl.constexpr, HAS_BIAS: tl.constexpr):
     """The bias term of the base-2 logits of the resident query rows against keys start_n.. (forward
     and dQ kernels), or 0.0 when the bias is compiled out."""
     if HAS_BIAS:
-        ka, kb = _load_codes(Codes, start_n + tl.arange(0, BLOCK_N), N, k_pad, True, TABLE)
+        ka, kb = _load_codes(Codes, start_n + tl.arange(0, BLOCK_N), code_stride, True, TABLE)
         return _scaled_bias(_bias_tile(qa, qb, ka, kb, Tbl, h, w, TABLE, WRAP, False), b_scale, TABLE)
     else:
         return 0.0
 
 
 @triton.jit
-def _key_tile_logits(q, bias, qa, qb, start_n, K, Codes, Tbl, stride_kn, stride_kd, N, h, w, k_pad, qk_scale, b_scale,
+def _key_tile_logits(q, bias, qa, qb, start_n, K, Codes, Tbl, stride_kn, stride_kd, N, h, w, code_stride, qk_scale, b_scale,
                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, DOT_PREC: tl.constexpr,
                      TABLE: tl.constexpr, WRAP: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr):
     """The block both the forward and the dQ kernel run per key tile: load Kᵀ, form the base-2 logits
@@ -325,7 +333,7 @@ def _key_tile_logits(q, bias, qa, qb, start_n, K, Codes, Tbl, stride_kn, stride_
         kt = tl.load(kt_ptrs)
     qk = tl.dot(q, kt, input_precision=DOT_PREC)
     if GATHER:
-        bias = _row_bias(qa, qb, start_n, Codes, Tbl, N, h, w, k_pad, b_scale, BLOCK_N, TABLE, WRAP, HAS_BIAS)
+        bias = _row_bias(qa, qb, start_n, Codes, Tbl, N, h, w, code_stride, b_scale, BLOCK_N, TABLE, WRAP, HAS_BIAS)
     s = qk * qk_scale + bias
     if MASK_N:
         # Keys past N must not enter the softmax (their loaded values are zeros, not -inf).
@@ -335,7 +343,7 @@ def _key_tile_logits(q, bias, qa, qb, start_n, K, Codes, Tbl, stride_kn, stride_
 
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q, bias, qa, qb, start_n, K, V, Codes, Tbl,
-              stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+              stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, DOT_PREC: tl.constexpr,
               TABLE: tl.constexpr, WRAP: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr):
     """One key tile of one head: the online-softmax update; GATHER as in _key_tile_logits."""
@@ -345,7 +353,7 @@ def _fwd_tile(acc, l_i, m_i, q, bias, qa, qb, start_n, K, V, Codes, Tbl,
         v = tl.load(v_ptrs, mask=(offs_n < N)[:, None], other=0.0)
     else:
         v = tl.load(v_ptrs)
-    _, s, bias = _key_tile_logits(q, bias, qa, qb, start_n, K, Codes, Tbl, stride_kn, stride_kd, N, h, w, k_pad,
+    _, s, bias = _key_tile_logits(q, bias, qa, qb, start_n, K, Codes, Tbl, stride_kn, stride_kd, N, h, w, code_stride,
                                   qk_scale, b_scale, HEAD_DIM, BLOCK_N, MASK_N, DOT_PREC, TABLE, WRAP, HAS_BIAS, GATHER)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -358,16 +366,16 @@ def _fwd_tile(acc, l_i, m_i, q, bias, qa, qb, start_n, K, V, Codes, Tbl,
 
 @triton.jit
 def _fwd_step(acc, l_i, m_i, acc2, l2, m2, q, q2, qa, qb, start_n, K, V, Codes, Tbl, stride_kh, stride_kn, stride_kd,
-              stride_vh, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+              stride_vh, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, DOT_PREC: tl.constexpr,
               TABLE: tl.constexpr, WRAP: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_PAIR: tl.constexpr):
     """One key tile of the program's head, and of its pair's second head with the same bias tile."""
     acc, l_i, m_i, bias = _fwd_tile(acc, l_i, m_i, q, 0.0, qa, qb, start_n, K, V, Codes, Tbl,
-                                    stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+                                    stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale,
                                     HEAD_DIM, BLOCK_N, MASK_N, DOT_PREC, TABLE, WRAP, HAS_BIAS, True)
     if HEAD_PAIR:
         acc2, l2, m2, _ = _fwd_tile(acc2, l2, m2, q2, bias, qa, qb, start_n, K + stride_kh, V + stride_vh, Codes, Tbl,
-                                    stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+                                    stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale,
                                     HEAD_DIM, BLOCK_N, MASK_N, DOT_PREC, TABLE, WRAP, HAS_BIAS, False)
     return acc, l_i, m_i, acc2, l2, m2
 
@@ -386,7 +394,7 @@ def _alibi_fwd_kernel(Q, K, V, O, LSE, Slopes, Codes, Tbl,
                       stride_kb, stride_kh, stride_kn, stride_kd,
                       stride_vb, stride_vh, stride_vn, stride_vd,
                       stride_ob, stride_oh, stride_on, stride_od,
-                      H, N, N_BUCKET, h, w, q_pad, k_pad, tbl_stride, qk_scale, bias_scale,
+                      H, N, N_BUCKET, h, w, code_stride, tbl_stride, qk_scale, bias_scale,
                       HEAD_DIM: tl.constexpr, TABLE: tl.constexpr, WRAP: tl.constexpr,
                       COMPUTE_DSLOPE: tl.constexpr, DOT_PREC: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr = True,
@@ -411,7 +419,7 @@ def _alibi_fwd_kernel(Q, K, V, O, LSE, Slopes, Codes, Tbl,
     mask_m = offs_m < N
     q_off = offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd
     q = tl.load(Q + q_off, mask=mask_m[:, None], other=0.0)
-    qa, qb = _load_codes(Codes, offs_m, N, q_pad, False, TABLE)
+    qa, qb = _load_codes(Codes, offs_m, code_stride, False, TABLE)
     if TABLE:
         qa = Tbl + off_h * tbl_stride + qa
 
@@ -431,18 +439,18 @@ def _alibi_fwd_kernel(Q, K, V, O, LSE, Slopes, Codes, Tbl,
     for start_n in range(0, n_full, BLOCK_N):
         acc, l_i, m_i, acc2, l2, m2 = _fwd_step(
             acc, l_i, m_i, acc2, l2, m2, q, q2, qa, qb, start_n, K, V, Codes, Tbl, stride_kh, stride_kn, stride_kd,
-            stride_vh, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale, HEAD_DIM, BLOCK_N, False, DOT_PREC,
+            stride_vh, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale, HEAD_DIM, BLOCK_N, False, DOT_PREC,
             TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
     if N - n_full <= TAIL_N:
         if n_full < N:
             acc, l_i, m_i, acc2, l2, m2 = _fwd_step(
                 acc, l_i, m_i, acc2, l2, m2, q, q2, qa, qb, n_full, K, V, Codes, Tbl, stride_kh, stride_kn, stride_kd,
-                stride_vh, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale, HEAD_DIM, TAIL_N, True, DOT_PREC,
+                stride_vh, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale, HEAD_DIM, TAIL_N, True, DOT_PREC,
                 TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
     else:
         acc, l_i, m_i, acc2, l2, m2 = _fwd_step(
             acc, l_i, m_i, acc2, l2, m2, q, q2, qa, qb, n_full, K, V, Codes, Tbl, stride_kh, stride_kn, stride_kd,
-            stride_vh, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale, HEAD_DIM, BLOCK_N, True, DOT_PREC,
+            stride_vh, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale, HEAD_DIM, BLOCK_N, True, DOT_PREC,
             TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
     _fwd_store(acc, l_i, m_i, O, LSE, offs_m, offs_d, mask_m, stride_on, stride_od)
     if HEAD_PAIR:
@@ -475,7 +483,7 @@ def _bwd_preprocess_kernel(O, DO, Delta,
 @triton.jit
 def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Codes, Tbl,
                stride_qn, stride_qd, stride_don, stride_dod, stride_gn, stride_gd,
-               N, h, w, q_pad, qk_scale, b_scale,
+               N, h, w, code_stride, qk_scale, b_scale,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK_N: tl.constexpr,
                TABLE: tl.constexpr, WRAP: tl.constexpr, COMPUTE_DSLOPE: tl.constexpr,
                DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC_DQ: tl.constexpr):
@@ -490,7 +498,7 @@ def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Cod
         lse = tl.load(LSE + offs_m, mask=mask_m, other=float("inf"))
         delta = tl.load(Delta + offs_m, mask=mask_m, other=0.0)
         if HAS_BIAS:
-            qa, qb = _load_codes(Codes, offs_m, N, q_pad, False, TABLE)
+            qa, qb = _load_codes(Codes, offs_m, code_stride, False, TABLE)
         qkt = tl.dot(k, qt, input_precision=DOT_PREC)
         if HAS_BIAS:
             bias_t = _bias_tile(qa, qb, ka, kb, Tbl, h, w, TABLE, WRAP, True)
@@ -498,7 +506,7 @@ def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Cod
         else:
             pt = tl.exp2(qkt * qk_scale - lse[None, :])
         if MASK_N:
-            # Keys past N were loaded as zeros; their p could overflow and poison dslope.
+            # Keys past N were loaded as zeros; their p can overflow (exp2(-lse)) and dS·K sums over keys.
             pt = tl.where((offs_n < N)[:, None], pt, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, acc=dv, input_precision=DOT_PREC)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
@@ -522,7 +530,7 @@ def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, LSE, Delta, DSL, Slopes, Cod
                            stride_vb, stride_vh, stride_vn, stride_vd,
                            stride_dob, stride_doh, stride_don, stride_dod,
                            stride_gb, stride_gh, stride_gn, stride_gd,
-                           H, N, N_BUCKET, h, w, q_pad, k_pad, tbl_stride, qk_scale, sm_scale, bias_scale, bias_norm,
+                           H, N, N_BUCKET, h, w, code_stride, tbl_stride, qk_scale, sm_scale, bias_scale, bias_norm,
                            HEAD_DIM: tl.constexpr, TABLE: tl.constexpr, WRAP: tl.constexpr,
                            COMPUTE_DSLOPE: tl.constexpr, DOT_PREC: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr = True,
@@ -550,26 +558,23 @@ def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, LSE, Delta, DSL, Slopes, Cod
     mask_n = offs_n < N
     k = tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=mask_n[:, None], other=0.0)
     v = tl.load(V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=mask_n[:, None], other=0.0)
-    ka, kb = _load_codes(Codes, offs_n, N, k_pad, True, TABLE)
+    ka, kb = _load_codes(Codes, offs_n, code_stride, True, TABLE)
     ku = ka
     if TABLE:
-        ku = TblU - ka
-        ka = Tbl + off_h * tbl_stride - ka
+        ku = TblU + ka
+        ka = Tbl + off_h * tbl_stride + ka
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dsl = tl.zeros([BLOCK_N], dtype=tl.float32)
-    # Only the program holding the last, partial key tile needs the per-element key mask.
-    if pid_n * BLOCK_N + BLOCK_N <= N:
-        dk, dv, dsl = _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Codes, Tbl,
-                                 stride_qn, stride_qd, stride_don, stride_dod, stride_gn, stride_gd, N, h, w, q_pad,
-                                 qk_scale, b_scale, HEAD_DIM, BLOCK_M, False, TABLE, WRAP, COMPUTE_DSLOPE, DOT_PREC,
-                                 HAS_BIAS, ATOMIC_DQ)
-    else:
-        dk, dv, dsl = _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Codes, Tbl,
-                                 stride_qn, stride_qd, stride_don, stride_dod, stride_gn, stride_gd, N, h, w, q_pad,
-                                 qk_scale, b_scale, HEAD_DIM, BLOCK_M, True, TABLE, WRAP, COMPUTE_DSLOPE, DOT_PREC,
-                                 HAS_BIAS, ATOMIC_DQ)
+    # One loop for every program, the last partial key tile's included: keys past N were loaded as
+    # zeros and their rows of dK, dV and the slope partials are never stored, so only the atomic dQ
+    # (which sums over keys) masks their probabilities. (Two copies of the loop, one masked, made
+    # ptxas serialise every wgmma of the loop: advisory C7515 on Triton 3.6.)
+    dk, dv, dsl = _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Codes, Tbl,
+                             stride_qn, stride_qd, stride_don, stride_dod, stride_gn, stride_gd, N, h, w, code_stride,
+                             qk_scale, b_scale, HEAD_DIM, BLOCK_M, ATOMIC_DQ, TABLE, WRAP, COMPUTE_DSLOPE, DOT_PREC,
+                             HAS_BIAS, ATOMIC_DQ)
     g_off = offs_n[:, None] * stride_gn + offs_d[None, :] * stride_gd
     tl.store(DK + g_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=mask_n[:, None])
     tl.store(DV + g_off, dv.to(DV.dtype.element_ty), mask=mask_n[:, None])
@@ -580,7 +585,7 @@ def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, LSE, Delta, DSL, Slopes, Cod
 
 @triton.jit
 def _dq_tile(dq, q, do, lse, delta, bias, qa, qb, start_n, K, V, Codes, Tbl,
-             stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+             stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale,
              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, DOT_PREC: tl.constexpr,
              TABLE: tl.constexpr, WRAP: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr):
     """One key tile of one head's dQ; GATHER as in _key_tile_logits."""
@@ -590,7 +595,7 @@ def _dq_tile(dq, q, do, lse, delta, bias, qa, qb, start_n, K, V, Codes, Tbl,
         vt = tl.load(vt_ptrs, mask=(offs_n < N)[None, :], other=0.0)
     else:
         vt = tl.load(vt_ptrs)
-    kt, s, bias = _key_tile_logits(q, bias, qa, qb, start_n, K, Codes, Tbl, stride_kn, stride_kd, N, h, w, k_pad,
+    kt, s, bias = _key_tile_logits(q, bias, qa, qb, start_n, K, Codes, Tbl, stride_kn, stride_kd, N, h, w, code_stride,
                                    qk_scale, b_scale, HEAD_DIM, BLOCK_N, MASK_N, DOT_PREC, TABLE, WRAP, HAS_BIAS,
                                    GATHER)
     p = tl.exp2(s - lse[:, None])  # 0 for masked keys (s = -inf)
@@ -602,16 +607,16 @@ def _dq_tile(dq, q, do, lse, delta, bias, qa, qb, start_n, K, V, Codes, Tbl,
 
 @triton.jit
 def _dq_step(dq, dq2, q, do, lse, delta, q2, do2, lse2, delta2, qa, qb, start_n, K, V, Codes, Tbl,
-             stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+             stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale,
              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, DOT_PREC: tl.constexpr,
              TABLE: tl.constexpr, WRAP: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_PAIR: tl.constexpr):
     """One key tile of the program's head's dQ, and of its pair's second head with the same bias tile."""
     dq, bias = _dq_tile(dq, q, do, lse, delta, 0.0, qa, qb, start_n, K, V, Codes, Tbl,
-                        stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+                        stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale,
                         HEAD_DIM, BLOCK_N, MASK_N, DOT_PREC, TABLE, WRAP, HAS_BIAS, True)
     if HEAD_PAIR:
         dq2, _ = _dq_tile(dq2, q2, do2, lse2, delta2, bias, qa, qb, start_n, K + stride_kh, V + stride_vh, Codes, Tbl,
-                          stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, k_pad, qk_scale, b_scale,
+                          stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale,
                           HEAD_DIM, BLOCK_N, MASK_N, DOT_PREC, TABLE, WRAP, HAS_BIAS, False)
     return dq, dq2
 
@@ -633,7 +638,7 @@ def _alibi_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta, Slopes, Codes, Tbl,
                          stride_vb, stride_vh, stride_vn, stride_vd,
                          stride_dob, stride_doh, stride_don, stride_dod,
                          stride_gb, stride_gh, stride_gn, stride_gd,
-                         H, N, N_BUCKET, h, w, q_pad, k_pad, tbl_stride, qk_scale, sm_scale, bias_scale,
+                         H, N, N_BUCKET, h, w, code_stride, tbl_stride, qk_scale, sm_scale, bias_scale,
                          HEAD_DIM: tl.constexpr, TABLE: tl.constexpr, WRAP: tl.constexpr,
                          COMPUTE_DSLOPE: tl.constexpr, DOT_PREC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr = True,
@@ -657,7 +662,7 @@ def _alibi_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta, Slopes, Codes, Tbl,
     mask_m = offs_m < N
     q, do, lse, delta = _dq_head(Q, DO, LSE + row, Delta + row, offs_m, offs_d, mask_m,
                                  stride_qn, stride_qd, stride_don, stride_dod)
-    qa, qb = _load_codes(Codes, offs_m, N, q_pad, False, TABLE)
+    qa, qb = _load_codes(Codes, offs_m, code_stride, False, TABLE)
     if TABLE:
         qa = Tbl + off_h * tbl_stride + qa
 
@@ -671,16 +676,16 @@ def _alibi_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta, Slopes, Codes, Tbl,
     n_full = (N // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
         dq, dq2 = _dq_step(dq, dq2, q, do, lse, delta, q2, do2, lse2, delta2, qa, qb, start_n, K, V, Codes, Tbl,
-                           stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd, N, h, w, k_pad, qk_scale,
+                           stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd, N, h, w, code_stride, qk_scale,
                            b_scale, HEAD_DIM, BLOCK_N, False, DOT_PREC, TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
     if N - n_full <= TAIL_N:
         if n_full < N:
             dq, dq2 = _dq_step(dq, dq2, q, do, lse, delta, q2, do2, lse2, delta2, qa, qb, n_full, K, V, Codes, Tbl,
-                               stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd, N, h, w, k_pad,
+                               stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd, N, h, w, code_stride,
                                qk_scale, b_scale, HEAD_DIM, TAIL_N, True, DOT_PREC, TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
     else:
         dq, dq2 = _dq_step(dq, dq2, q, do, lse, delta, q2, do2, lse2, delta2, qa, qb, n_full, K, V, Codes, Tbl,
-                           stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd, N, h, w, k_pad, qk_scale,
+                           stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd, N, h, w, code_stride, qk_scale,
                            b_scale, HEAD_DIM, BLOCK_N, True, DOT_PREC, TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
     g_off = offs_m[:, None] * stride_gn + offs_d[None, :] * stride_gd
     tl.store(DQ + g_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=mask_m[:, None])
@@ -767,10 +772,11 @@ def head_pair(q, slopes, use_table):
 def _fwd_args(q, k, v, o, lse, slopes, geometry, wrap, use_table):
     """(positional args, constexpr keyword args) of the forward kernel; also used by the SASS benchmark."""
     bsz, heads, n, d = q.shape
-    (h, w), (codes, tbl, q_pad, k_pad, bias_norm) = geometry
+    (h, w), (codes, tbl, bias_norm) = geometry
+    code_stride = codes.stride(0)
     head_tbl, tbl_stride = _head_tables(tbl, slopes, use_table)
     args = (q, k, v, o, lse, _per_head(slopes, heads), codes, head_tbl, *_strides(q), *_strides(k), *_strides(v),
-            *_strides(o), heads, n, n_bucket(n), h, w, q_pad, k_pad, tbl_stride, LOG2E / math.sqrt(d),
+            *_strides(o), heads, n, n_bucket(n), h, w, code_stride, tbl_stride, LOG2E / math.sqrt(d),
             LOG2E * bias_norm)
     return args, dict(HEAD_DIM=d, TABLE=use_table, WRAP=wrap, COMPUTE_DSLOPE=False, DOT_PREC=_dot_precision(q.dtype),
                       HEAD_PAIR=head_pair(q, slopes, use_table))
@@ -780,13 +786,14 @@ def _bwd_args(do, q, k, v, dq, dk, dv, lse, delta, dsl, slopes, geometry, wrap, 
     """(dK/dV args, dQ args, constexpr keyword args, dQ's HEAD_PAIR) of the backward kernels; also used by
     the SASS benchmark."""
     bsz, heads, n, d = q.shape
-    (h, w), (codes, tbl, q_pad, k_pad, bias_norm) = geometry
+    (h, w), (codes, tbl, bias_norm) = geometry
+    code_stride = codes.stride(0)
     sm_scale = 1.0 / math.sqrt(d)
     head_tbl, tbl_stride = _head_tables(tbl, slopes, use_table)
     pair = head_pair(q, slopes, use_table)
     slopes = _per_head(slopes, heads)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-              heads, n, n_bucket(n), h, w, q_pad, k_pad, tbl_stride, sm_scale * LOG2E, sm_scale, LOG2E * bias_norm)
+              heads, n, n_bucket(n), h, w, code_stride, tbl_stride, sm_scale * LOG2E, sm_scale, LOG2E * bias_norm)
     dkdv = (q, k, v, do, dk, dv, dq, lse, delta, dsl, slopes, codes, head_tbl, tbl, *common, bias_norm)
     dqa = (q, k, v, do, dq, lse, delta, slopes, codes, head_tbl, *common)
     kw = dict(HEAD_DIM=d, TABLE=use_table, WRAP=wrap, DOT_PREC=_dot_precision(q.dtype))
@@ -805,7 +812,7 @@ def _launch_fwd(q, k, v, slopes, h, w, prefix, wrap, normalize, use_table, metri
         return (triton.cdiv(n, meta["BLOCK_M"]), heads // 2 if kw["HEAD_PAIR"] else heads, bsz)
 
     with _device_guard(q):
-        _fwd_kernel[grid](*args, **kw, **_LAUNCH_OPTIONS)
+        _fwd_kernel[grid](*args, **kw, HAS_BIAS=_HAS_BIAS, **_LAUNCH_OPTIONS)
     return o, lse
 
 
@@ -835,10 +842,12 @@ def _launch_bwd(do, q, k, v, o, lse, slopes, h, w, prefix, wrap, normalize, use_
         _bwd_preprocess_kernel[(triton.cdiv(n, _PREPROCESS_BLOCK_M), heads, bsz)](
             o, do, delta, *_strides(o), *_strides(do), heads, n, HEAD_DIM=d, BLOCK_M=_PREPROCESS_BLOCK_M,
             **_LAUNCH_OPTIONS)
-        _dkdv_kernel[grid_k](*dkdv_args, **kw, COMPUTE_DSLOPE=need_dslopes, ATOMIC_DQ=atomic_dq, **_LAUNCH_OPTIONS)
+        _dkdv_kernel[grid_k](*dkdv_args, **kw, COMPUTE_DSLOPE=need_dslopes, ATOMIC_DQ=atomic_dq, HAS_BIAS=_HAS_BIAS,
+                             **_LAUNCH_OPTIONS)
         # The dQ kernel, a third of the backward, is skipped for frozen (or detached) queries and with atomic dQ.
         if need_dq and not atomic_dq:
-            _dq_kernel[grid_q](*dq_args, **kw, COMPUTE_DSLOPE=False, HEAD_PAIR=pair, **_LAUNCH_OPTIONS)
+            _dq_kernel[grid_q](*dq_args, **kw, COMPUTE_DSLOPE=False, HEAD_PAIR=pair, HAS_BIAS=_HAS_BIAS,
+                               **_LAUNCH_OPTIONS)
     if atomic_dq:
         dq.copy_(dq_acc.mul_(1.0 / math.sqrt(d)))
     dslopes = dsl.sum(dim=(0, 2)) if need_dslopes else slopes.new_zeros(slopes.shape)
@@ -889,6 +898,18 @@ def atomic_dq_enabled():
     separate dQ kernel: opt-in with ``ALIBI_TRITON_ATOMIC_DQ=1`` or :func:`atomic_dq`, and never while
     ``torch.use_deterministic_algorithms(True)`` is on (atomic adds make dQ's last bits vary from run to run)."""
     return _ATOMIC_DQ and not torch.are_deterministic_algorithms_enabled()
+
+
+@contextlib.contextmanager
+def bias_compiled_out():
+    """Benchmark baseline only: calls inside the block run the same kernels with the bias compiled out
+    (``HAS_BIAS=False``), i.e. plain attention without ALiBi, at the same launch configs."""
+    global _HAS_BIAS
+    previous, _HAS_BIAS = _HAS_BIAS, False
+    try:
+        yield
+    finally:
+        _HAS_BIAS = previous
 
 
 @contextlib.contextmanager

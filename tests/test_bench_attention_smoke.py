@@ -21,18 +21,25 @@ def test_smoke_mode_writes_expected_rows(tmp_path):
     report = json.loads((tmp_path / "attention_cpu-smoke.json").read_text())
     assert report["smoke"] is True and report["command"].startswith("python benchmarks/bench_attention.py --smoke")
     assert report["torch"] and report["triton"]
-    got = {(r["mode"], r["backend"]) for r in report["rows"]}
-    want = {(m, b) for m in ("fwd", "fwd+bwd") for b in ("triton", "sdpa-bias", "sdpa-nobias", "eager")}
-    assert got == want | {("fwd+bwd", "triton-atomic-dq")}  # its forward is triton's: timed once
+    got = {(r["mode"], r["slopes"], r["backend"]) for r in report["rows"]}
+    biased = ("triton", "sdpa-bias", "eager")
+    want = {("fwd", None, b) for b in ("triton-nobias", "sdpa-nobias")}
+    want |= {("fwd+bwd", None, b) for b in ("triton-nobias", "sdpa-nobias")}
+    want |= {("fwd", s, b) for s in ("constant", "per-head") for b in biased}
+    # atomic dQ's forward is triton's, and a forward does not know whether slopes are learned
+    want |= {("fwd+bwd", s, b) for s in ("constant", "per-head", "learned") for b in (*biased, "triton-atomic-dq")}
+    assert got == want
     for r in report["rows"]:
-        assert r["status"] == "ok" and r["ms"] > 0 and r["N"] == 5 + 5 * 5
-        if r["mode"] == "fwd" and r["backend"] != "sdpa-nobias":
-            # Every biased backend agrees with the materialised-bias SDPA; the unbiased one does not.
-            assert r["max_abs_diff_vs_sdpa_bias"] < 1e-5
-    nobias = next(r for r in report["rows"] if r["mode"] == "fwd" and r["backend"] == "sdpa-nobias")
-    assert nobias["max_abs_diff_vs_sdpa_bias"] > 1e-3
-    assert {(e["mode"], e["triton_variant"]) for e in report["ratios"]} == {
-        ("fwd", "triton"), ("fwd+bwd", "triton"), ("fwd+bwd", "triton-atomic-dq")}
+        assert r["status"] == "ok" and r["ms"] > 0 and r["N"] == 5 + 5 * 5, r
+        assert r["ms_p20"] <= r["ms"] <= r["ms_p80"] and len(r["ms_rounds"]) == 1
+        # Output and gradients (slopes' too when learned) checked against fp32 before timing.
+        want_keys = {"out"} if r["mode"] == "fwd" else {"out", "dq", "dk", "dv"}
+        if r["slopes"] == "learned":
+            want_keys.add("dslopes")
+        assert set(r["errors"]) == want_keys and max(r["errors"].values()) <= 1e-4
+    assert {(e["mode"], e["slopes"], e["triton_variant"]) for e in report["ratios"]} == {
+        ("fwd", "constant", "triton"), ("fwd", "per-head", "triton"),
+        *{("fwd+bwd", s, v) for s in ("constant", "per-head", "learned") for v in ("triton", "triton-atomic-dq")}}
     assert "| tiny | 70 |" in (tmp_path / "attention_cpu-smoke.md").read_text()
 
 
@@ -44,3 +51,20 @@ def test_full_mode_without_cuda_exits_with_message():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--models", "vit-s", "--sizes", "224"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "needs a CUDA device" in proc.stderr
+
+
+def test_correctness_check_catches_a_backend_without_the_bias():
+    pytest.importorskip("triton")
+    import torch
+
+    from tests.helpers import benchmark_module
+
+    bench = benchmark_module("bench_attention")
+    grid = (5, 5)
+    q, k, v, dout = (torch.randn(1, 2, 30, 16, generator=torch.Generator().manual_seed(i)) for i in range(4))
+    fns = bench.backend_fns(["sdpa-bias", "sdpa-nobias"], grid)
+    worst, _ = bench.check("sdpa-bias", fns["sdpa-bias"], q, k, v, None, grid, dout, True, "float32")
+    assert worst <= bench.TOLERANCE["float32"]
+    # The bias-free SDPA checked as if it were a biased backend: its error is far above the threshold.
+    worst, errors = bench.check("sdpa-bias", fns["sdpa-nobias"], q, k, v, None, grid, dout, True, "float32")
+    assert worst > 100 * bench.TOLERANCE["float32"] and set(errors) == {"out", "dq", "dk", "dv"}

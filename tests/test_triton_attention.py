@@ -588,3 +588,25 @@ def test_gpu_torch_compile_fullgraph_inductor():
     torch.manual_seed(0)
     model = _AttnBlock((7, 9), 5, dim=128, heads=4).cuda()
     _compiled_matches_eager(model, torch.randn(3, 5 + 63, 128, device="cuda"), "inductor", 1e-4)
+
+
+def test_bias_compiled_out_is_plain_attention():
+    """The benchmark's bias-free baseline (HAS_BIAS=False in every kernel): output and gradients of plain
+    softmax attention, and the bias is back after the block."""
+    from kernels import alibi_triton as at
+
+    torch.manual_seed(0)
+    grid, prefix = (4, 5), 2
+    q, k, v, do = (torch.randn(1, 2, prefix + 20, 16, device=DEVICE) for _ in range(4))
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*ref_leaves)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, do)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with at.bias_compiled_out():
+        out = at.triton_alibi_attention(*leaves, grid, prefix, None, True, True)
+        grads = torch.autograd.grad(out, leaves, do)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+    biased = at.triton_alibi_attention(q, k, v, grid, prefix, None, True, True)
+    assert (biased - ref).abs().max() > 1e-2
