@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from alibi_vit.images import (BUNDLED_SETS, ImageReadError, IntensityMode, bundled_images, check_intensity,
                               list_images, load_image, normalize, resize_center_crop)
 
-from . import DatasetLayoutError
+from . import DatasetLayoutError, usable_workers
 
 __all__ = ["BundledImagesDataModule", "CocoImagesDataModule", "ImageFileDataset", "ImageFolderDataModule",
            "ResumableDataLoader", "ResumableSampler", "TensorImageDataset"]
@@ -143,7 +143,7 @@ class _ImageDataModule(LightningDataModule):
         self.image_size = int(image_size)
         self.batch_size = int(batch_size)
         self.val_batch_size = int(val_batch_size or batch_size)
-        self.num_workers = int(num_workers)
+        self.num_workers = usable_workers(num_workers)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.pin_memory = bool(pin_memory)

@@ -56,7 +56,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from alibi_vit.images import load_image, normalize
 
-from . import DatasetLayoutError
+from . import DatasetLayoutError, usable_workers
 
 __all__ = [
     "ADE20K_CLASSES", "COCO_STUFF_CLASSES", "COCO_STUFF_CATEGORY_IDS", "IGNORE_INDEX", "VOC_CLASSES",
@@ -434,7 +434,7 @@ class SegmentationDataModule(L.LightningDataModule):
         self.resize_mode = resize_mode
         self.batch_size = batch_size
         self.val_batch_size = val_batch_size or batch_size
-        self.num_workers = num_workers
+        self.num_workers = usable_workers(num_workers)
         self.augmentation = _augmentation(augment)  # "none", "flip" or "crop_flip"
         self.augment = self.augmentation != "none"  # whether training pairs are augmented at all
         self.pin_memory = pin_memory

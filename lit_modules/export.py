@@ -59,13 +59,13 @@ def export_student(checkpoint, out, *, verify: bool = True) -> Path:
         load_weights(model, state, source=f"student weights of {checkpoint}")
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".safetensors":
-        from safetensors.torch import save_file
+        from alibi_vit.models.checkpoint import save_safetensors
 
         metadata = {"format": "pt", "model": str(name), "source": checkpoint.name,
                     "global_step": str(ckpt.get("global_step", "")),
                     "model_kwargs": json.dumps(hparams.get("model_kwargs") or {}),
                     "student_kwargs": json.dumps(hparams.get("student_kwargs") or {})}
-        save_file(state, str(out), metadata=metadata)
+        save_safetensors(state, out, metadata=metadata)
     else:
         import torch
 

@@ -253,7 +253,7 @@ class RASAModule(L.LightningModule):
     @rank_zero_only
     def export(self) -> Path:
         """Write the folded backbone (.safetensors), the planes (.pt) and the per-round metrics (.json)."""
-        from safetensors.torch import save_file
+        from alibi_vit.models.checkpoint import save_safetensors
 
         out = self.export_dir()
         out.mkdir(parents=True, exist_ok=True)
@@ -263,7 +263,7 @@ class RASAModule(L.LightningModule):
                     "model_kwargs": json.dumps({k: v for k, v in (self.hparams.backbone_kwargs or {}).items()
                                                 if k != "pretrained_cfg_overlay"}, default=str),
                     "rasa_rounds": str(self.round)}
-        save_file(state, str(out / "rasa_backbone.safetensors"), metadata=metadata)
+        save_safetensors(state, out / "rasa_backbone.safetensors", metadata=metadata)
         torch.save(self.planes.detach().cpu().float().clone(), out / "rasa_planes.pt")
         (out / "rasa_rounds.json").write_text(json.dumps(self.round_history, indent=2) + "\n")
         return out

@@ -196,7 +196,7 @@ def test_pretrained_weights_offline_fail_fast_naming_the_way_out(tmp_path, capsy
     line = error_of(capsys)
     reason = "HF_HUB_OFFLINE is set" if offline_env else "the hub cannot be reached (OSError: [Errno -2]"
     assert f"cannot load the pretrained weights of {NAME}: timm/vit_small_patch14_reg4_dinov2.lvd142m is not in the " \
-           "local hub cache" in line
+           "local cache" in line
     assert reason in line
     assert "--checkpoint PATH" in line and "hf download timm/vit_small_patch14_reg4_dinov2.lvd142m" in line
     assert len(no_network) == (0 if offline_env else 1)  # one metadata request, no retries

@@ -253,6 +253,8 @@ def test_demo_config_trains_logs_and_checkpoints(demo_run):
 def test_export_reloads_in_timm_with_identical_features(demo_run, tmp_path):
     ckpt_path = demo_run / "checkpoints" / "last.ckpt"
     out = export_student(ckpt_path, tmp_path / "student.safetensors")
+    (tmp_path / "plain.txt").write_text("written the ordinary way")  # the permissions the umask gives
+    assert out.stat().st_mode & 0o777 == (tmp_path / "plain.txt").stat().st_mode & 0o777
     model = timm.create_model(STUDENT, checkpoint_path=str(out), num_classes=0, backend="sdpa", **TINY).eval()
 
     state = torch.load(ckpt_path, map_location="cpu", weights_only=True)["state_dict"]

@@ -101,4 +101,8 @@ def test_comparison_table(voc, tmp_path):
     with torch.no_grad():
         expected = positional_r2(patch_features(model, images), "xy")
     assert float(cells[0][2]) == pytest.approx(expected, abs=1e-3)
-    assert 0 <= float(cells[0][5]) <= 100 and cells[1][5] == ""
+    # every mIoU is a fraction, as robustness and the probe report it: the table shows the CSV's values
+    assert 0 <= float(cells[0][5]) <= 1 and cells[1][5] == ""
+    with open(out) as f:
+        csv_rows = list(csv.DictReader(f))
+    assert cells[0][3] == f"{float(csv_rows[0]['mIoU']):.3f}" and float(csv_rows[0]["probe_mIoU"]) <= 1

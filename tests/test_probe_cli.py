@@ -1,6 +1,7 @@
 """`alibi-vit probe` end to end on tiny models."""
 
 import csv
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -88,13 +89,22 @@ def test_probe_plot_writes_both_figures_from_the_csv_numbers(tmp_path):
     line = plot_r2_per_layer(rows, ["x"]).axes[0].lines[0]
     np.testing.assert_array_equal(line.get_ydata(), [0.5, -1.0, 0.9])  # below −1 drawn at −1
     assert line.get_label().endswith("(random init)")
+    # Two models with the same values stay visible (own marker, style and sideways offset), the legend
+    # sits outside the panels, and the offsets keep each point within its layer.
+    twins = rows + [{**r, "model": "n"} for r in rows]
+    fig = plot_r2_per_layer(twins, ["x"])
+    first, second = fig.axes[0].lines[:2]
+    assert first.get_marker() != second.get_marker() and first.get_linestyle() != second.get_linestyle()
+    assert not np.array_equal(first.get_xdata(), second.get_xdata())
+    np.testing.assert_array_equal(np.round(first.get_xdata()), [0, 1, 2])
+    assert fig.axes[0].get_legend() is None and len(fig.legends) == 1
 
 
-def test_paper_table_runs_what_it_can_and_skips_the_rest(tmp_path, capsys, monkeypatch):
-    """Offline stand-in for the hub: DINOv2-S's and the released ALiBi-Dv2's files are "cached", nothing else."""
-    import timm.models._builder as timm_builder
+def test_paper_table_runs_what_it_can_and_skips_the_rest(tmp_path, capsys, monkeypatch, no_network):
+    """Offline: DINOv2-S's and the released ALiBi-Dv2's files are in the local hub cache, nothing else."""
+    import huggingface_hub
     import torch
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from safetensors.torch import save_file
 
     from alibi_vit.models.checkpoint import create_backbone
 
@@ -102,16 +112,17 @@ def test_paper_table_runs_what_it_can_and_skips_the_rest(tmp_path, capsys, monke
     dinov2 = create_backbone("vit_small_patch14_reg4_dinov2", **arch, dynamic_img_size=False).state_dict()
     release = create_backbone("alibi_vit_small_patch14_reg4_dinov2", **arch).state_dict()
     del release["pos_embed"]  # the authors' files may lack it
-    served = {"timm/vit_small_patch14_reg4_dinov2.lvd142m": dinov2, "rmdocherty/dino-saw": release}
-    asked = []
-
-    def fake_hub(model_id, filename=None, **kwargs):
-        asked.append(model_id)
-        if model_id not in served or (filename and filename != "alibi_coco_dv2_vits14_reg4.pth"):
-            raise LocalEntryNotFoundError(f"{model_id} is not in the local cache")
-        return {k: v.clone() for k, v in served[model_id].items()}
-
-    monkeypatch.setattr(timm_builder, "load_state_dict_from_hf", fake_hub)
+    cache = Path(huggingface_hub.constants.HF_HUB_CACHE)
+    for repo, filename in (("timm/vit_small_patch14_reg4_dinov2.lvd142m", "model.safetensors"),
+                           ("rmdocherty/dino-saw", "alibi_coco_dv2_vits14_reg4.pth")):
+        folder = cache / f"models--{repo.replace('/', '--')}"
+        (folder / "snapshots" / "abc123").mkdir(parents=True)
+        (folder / "refs").mkdir()
+        (folder / "refs" / "main").write_text("abc123")
+        if filename.endswith(".safetensors"):
+            save_file({k: v.contiguous() for k, v in dinov2.items()}, folder / "snapshots" / "abc123" / filename)
+        else:
+            torch.save(release, folder / "snapshots" / "abc123" / filename)
     out = tmp_path / "paper.csv"
     common = ["--images", "noise", "--noise-count", "2", "--size", "112", "--repeats", "2", "--fraction", "0.3"]
     assert main(["probe", "--paper-table", *TINY_ARGS, *common, "--out", str(out)]) == 0

@@ -391,3 +391,24 @@ def test_crop_flip_augmentation_keeps_image_and_label_registered(tmp_path):
         dm.attach_feature_cache(object())
     with pytest.raises(ValueError, match="augment must be"):
         VOCSegmentation(str(root), augment="jitter")
+
+
+def test_worker_count_is_capped_at_the_cores_with_one_warning(tmp_path, monkeypatch):
+    import os
+    import warnings
+
+    import datamodules
+    from datamodules.images import ImageFolderDataModule
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(datamodules, "_WARNED_WORKERS", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        modules = [VOCSegmentation(str(tmp_path), num_workers=8) for _ in range(3)]
+        modules.append(ImageFolderDataModule(str(tmp_path), num_workers=8))
+        small = VOCSegmentation(str(tmp_path), num_workers=1)
+    assert [m.num_workers for m in modules] == [2, 2, 2, 2] and small.num_workers == 1
+    messages = [str(w.message) for w in caught if "num_workers" in str(w.message)]
+    assert messages == ["num_workers=8 exceeds the 2 CPU cores available here: using 2"]
+    with pytest.raises(ValueError, match="num_workers must be 0 or more, got -1"):
+        VOCSegmentation(str(tmp_path), num_workers=-1)

@@ -112,6 +112,8 @@ def test_random_init_backbone_must_be_asked_for_and_is_seeded(files, tmp_path, c
     for name, seed in (("a", "3"), ("b", "3"), ("c", "4")):
         assert main([*common, "--allow-random-init", "--seed", seed, "--out", str(tmp_path / name)]) == 0
     weights = {name: load_file(str(tmp_path / name / "backbone.safetensors")) for name in "abc"}
+    mode = (tmp_path / "a" / "backbone.safetensors").stat().st_mode & 0o777
+    assert mode == (tmp_path / "a" / "config.json").stat().st_mode & 0o777  # not safetensors' private 0600
     assert all(torch.equal(weights["a"][k], weights["b"][k]) for k in weights["a"])  # same seed, same model
     assert any(not torch.equal(weights["a"][k], weights["c"][k]) for k in weights["a"])
 

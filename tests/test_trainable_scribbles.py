@@ -76,3 +76,20 @@ def test_benchmark_end_to_end_on_synthetic_data(tmp_path):
     assert (tmp_path / "benchmark.csv").read_text().splitlines()[0] == "method,round,scribbled_pixels,miou"
     with pytest.raises(ValueError, match="exactly one ground-truth mask"):
         scribble_benchmark(tr, trm[:1], te, tem)
+
+
+def test_benchmark_plots_have_whole_rounds_and_wrapped_titles():
+    from alibi_vit.trainable.benchmark import TITLE_WIDTH, plot_examples, plot_miou_vs_round
+
+    rows = [{"method": m, "round": r, "miou": 0.5 + 0.1 * r} for m in ("classical", "classical + vit") for r in (1, 2, 3)]
+    ax = plot_miou_vs_round(rows).axes[0]
+    ticks = [t for t in ax.get_xticks() if 1 <= t <= 3]
+    assert ticks and all(float(t).is_integer() for t in ticks)  # no 1.5, 2.5 rounds
+
+    image, mask = synthetic_micrograph(32, seed=0)
+    long_name = "classical + alibi_vit_small_patch14_reg4_dinov2.dinosaw_coco"
+    fig = plot_examples({long_name: [mask]}, [image], [mask], n_examples=1)
+    title = fig.axes[-1].get_title()
+    assert "".join(title.splitlines()[:-1]).replace(" ", "") == long_name.replace(" ", "")  # all of it, wrapped
+    assert all(len(line) <= TITLE_WIDTH for line in title.splitlines()), title
+    assert title.splitlines()[-1] == "mIoU 1.00"

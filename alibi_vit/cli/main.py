@@ -33,8 +33,23 @@ _MAX_LINES = 12
 _MAX_LINE = 400
 
 
+DESCRIPTION = ("alibi-vit: Vision Transformers without positional bias. One subcommand per tool; "
+               "'alibi-vit COMMAND --help' describes each.")
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed_version
+
+    try:
+        return installed_version("alibi-vit")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="alibi-vit", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="alibi-vit", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"alibi-vit {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, description=help_text)

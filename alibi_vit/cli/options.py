@@ -41,7 +41,7 @@ def add_image_arguments(parser: argparse.ArgumentParser, default_size: int) -> N
                              f"({', '.join(BUNDLED_SETS)}) or 'noise'")
     parser.add_argument("--noise-count", type=int, default=8, help="number of images for --images noise")
     parser.add_argument("--size", type=int, default=default_size,
-                        help="images are resized and centre-cropped to SIZE px")
+                        help="images are resized and centre-cropped to SIZE px (default %(default)s)")
     parser.add_argument("--intensity", choices=INTENSITY_MODES, default="auto",
                         help="how pixel values become [0, 1]: 'dtype' divides integers by their type's maximum "
                              "(255, 65535); 'minmax' maps the image's min/max to 0/1; 'percentile' maps its "

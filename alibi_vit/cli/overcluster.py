@@ -198,7 +198,8 @@ def probe_miou(path, root, year: int, split: str, size: int, batch_size: int, nu
 
 
 def markdown_table(rows: list[dict], ks, r2_sets, with_probe: bool) -> str:
-    """One row per backbone: weights, positional R² per set, OverClustering mIoU per k (%), probe mIoU (%)."""
+    """One row per backbone: weights, positional R² per set, OverClustering mIoU per k, probe mIoU (fractions, as
+    every mIoU the project reports)."""
     by_label: dict[str, dict] = {}
     for r in rows:
         by_label.setdefault(r["backbone"], {"weights": r["weights"], **{f"R² {s}": r.get(f"r2_{s}") for s in r2_sets},
@@ -208,9 +209,9 @@ def markdown_table(rows: list[dict], ks, r2_sets, with_probe: bool) -> str:
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for label, v in by_label.items():
         cells = [label, v["weights"], *[f"{v[f'R² {s}']:.3f}" for s in r2_sets],
-                 *[f"{100 * v[f'k={k}']:.1f}" for k in ks]]
+                 *[f"{v[f'k={k}']:.3f}" for k in ks]]
         if with_probe:
-            cells.append("" if v["probe"] is None else f"{100 * v['probe']:.1f}")
+            cells.append("" if v["probe"] is None else f"{v['probe']:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -254,7 +255,7 @@ def run(args) -> int:
                          "kmeans_s": round(time.perf_counter() - t0, 2),
                          **{f"IoU_{c}": v for c, v in zip(VOC_CLASSES, result.per_class_iou)}})
     table = markdown_table(rows, args.k, args.r2_images, bool(probes))
-    print(f"OverClustering mIoU (%) on VOC{args.year} {args.split}, {args.size} px, {rows[0]['patches']} patches:\n")
+    print(f"OverClustering mIoU on VOC{args.year} {args.split}, {args.size} px, {rows[0]['patches']} patches:\n")
     print(table)
     fields = list(dict.fromkeys(key for r in rows for key in r))
     with open(args.out, "w", newline="") as f:

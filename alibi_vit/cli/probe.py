@@ -245,6 +245,10 @@ def _figure(**kwargs):
     return Figure(**kwargs)
 
 
+_MARKERS = ("o", "s", "^", "D", "v", "P")
+_LINESTYLES = ("-", "--", "-.", ":")
+
+
 def plot_r2_per_layer(rows, targets):
     """R² against block index, one panel per target and one line per model (paper Fig. 2): a matplotlib Figure.
 
@@ -252,15 +256,21 @@ def plot_r2_per_layer(rows, targets):
     The y axis spans −1 to 1; lower values are drawn at −1 (held-out R² is unbounded below), and the
     panel's title says so.
     """
-    fig = _figure(figsize=(3.6 * len(targets), 3.2), layout="constrained")
+    import numpy as np
+
+    fig = _figure(figsize=(3.6 * len(targets), 3.6), layout="constrained")
     axes = fig.subplots(1, len(targets), squeeze=False)[0]
     models = list(dict.fromkeys(r["model"] for r in rows))
+    # Models with equal values would hide each other: each gets its own marker and line style and a
+    # small sideways offset (a fraction of one layer, so the layer each point belongs to stays clear).
+    offsets = np.linspace(-0.15, 0.15, len(models)) if len(models) > 1 else [0.0]
     for ax, target in zip(axes, targets):
-        for name in models:
+        for m, name in enumerate(models):
             mine = [r for r in rows if r["model"] == name]
             label = name + (" (random init)" if mine[0]["weights"] == "random init" else "")
             # Very negative R² would squash the informative range [0, 1]: draw it at −1.
-            ax.plot([r["layer"] for r in mine], [max(r[target], -1.0) for r in mine], marker="o", markersize=3,
+            ax.plot([r["layer"] + offsets[m] for r in mine], [max(r[target], -1.0) for r in mine],
+                    marker=_MARKERS[m % len(_MARKERS)], linestyle=_LINESTYLES[m % len(_LINESTYLES)], markersize=4,
                     label=label)
         ax.axhline(0.0, color="0.6", linewidth=0.8)
         ax.set_ylim(-1.05, 1.05)
@@ -269,7 +279,8 @@ def plot_r2_per_layer(rows, targets):
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_xlabel("layer (block)")
         ax.set_ylabel("held-out R²")
-    axes[0].legend(fontsize="small")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(len(models), 3), fontsize="small")
     return fig
 
 

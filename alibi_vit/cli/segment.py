@@ -21,6 +21,11 @@ from tqdm.auto import tqdm
 
 from .options import checkpoints_by_model, parse_model_args
 
+ACTIONS = {
+    "train": "train a pixel classifier from images and sparse label images",
+    "apply": "segment images with a trained model; an unreadable image is skipped, named, and ends in exit status 1",
+    "benchmark": "scribble benchmark: test mIoU per round of generated scribbles",
+}
 LABEL_SUFFIXES = ("", "_labels", "_label", "_mask", "_masks", "_gt", "-labels", "-mask")
 
 
@@ -54,7 +59,7 @@ def _add_common(p):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    t = sub.add_parser("train", help="train a pixel classifier from images and sparse label images")
+    t = sub.add_parser("train", help=ACTIONS["train"], description=ACTIONS["train"])
     t.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE")
     t.add_argument("--labels", nargs="+", required=True, metavar="DIR_OR_FILE",
                    help="label images: 0 = unlabelled, 1..K = classes, paired with the images by file name")
@@ -62,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_common(t)
     t.add_argument("--crf", action="store_true", help="refine predictions with a dense CRF when applying")
     t.add_argument("--out", type=Path, required=True, metavar="MODEL_DIR")
-    a = sub.add_parser("apply", help="segment images with a trained model")
+    a = sub.add_parser("apply", help=ACTIONS["apply"], description=ACTIONS["apply"])
     a.add_argument("--model", type=Path, required=True, metavar="MODEL_DIR")
     a.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE")
     a.add_argument("--out", type=Path, required=True, metavar="DIR")
@@ -71,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--crf", choices=("model", "on", "off"), default="model",
                    help="dense-CRF clean-up: as the model was trained (default), or force on/off")
     a.add_argument("--device", default=None)
-    b = sub.add_parser("benchmark", help="scribble benchmark: test mIoU per round of generated scribbles")
+    b = sub.add_parser("benchmark", help=ACTIONS["benchmark"], description=ACTIONS["benchmark"])
     for name in ("train-images", "train-masks", "test-images", "test-masks"):
         b.add_argument(f"--{name}", nargs="+", metavar="DIR_OR_FILE")
     b.add_argument("--synthetic", action="store_true",

@@ -22,7 +22,7 @@ from .formats import key_mismatches
 from .names import MODEL_NAMES
 
 __all__ = ["WeightsUnavailableError", "check_model_name", "checkpoint_metadata", "create_backbone", "load_state_dict_file",
-           "load_weights", "local_pretrained_overlay", "read_torch_file"]
+           "load_weights", "local_pretrained_overlay", "read_torch_file", "save_safetensors"]
 
 # Wrappers other tools put around a state_dict: Lightning ('state_dict'), DDP ('module.').
 _NESTING_KEYS = ("state_dict", "model")
@@ -56,6 +56,22 @@ def read_torch_file(path, what: str = "checkpoint"):
             return torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError, OSError) as err:
         raise ValueError(f"cannot read {what} {path}: {_load_error(err)}") from None
+
+
+def save_safetensors(state: dict[str, torch.Tensor], path, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file`` with the permissions any other file gets (the umask's), not 0600.
+
+    safetensors writes through a private temporary file, so its output is readable by its owner
+    only: shared weights (a group's model folder, a cluster's project space) would not be.
+    """
+    import os
+
+    from safetensors.torch import save_file
+
+    save_file(state, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def load_state_dict_file(path) -> dict[str, torch.Tensor]:
@@ -218,7 +234,7 @@ def local_pretrained_overlay(name: str, model_kwargs: dict | None = None,
         if isinstance(cached, str):
             return {"pretrained_cfg_overlay": {**overlay, "file": cached}}
     if huggingface_hub.constants.HF_HUB_OFFLINE:
-        raise WeightsUnavailableError(name, f"{hub_id} is not in the local hub cache, and HF_HUB_OFFLINE is set",
+        raise WeightsUnavailableError(name, f"{hub_id} is not in the local cache, and HF_HUB_OFFLINE is set",
                                       repo_id)
     url = huggingface_hub.hf_hub_url(repo_id, filenames[0], revision=revision)
     try:  # one request, no retries: fast to fail, and a download that follows uses the same route (proxies)
@@ -227,7 +243,7 @@ def local_pretrained_overlay(name: str, model_kwargs: dict | None = None,
         pass  # the hub answered (e.g. no such file here): timm picks the file and reports what it finds
     except Exception as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise WeightsUnavailableError(name, f"{hub_id} is not in the local hub cache, and the hub cannot be reached "
+        raise WeightsUnavailableError(name, f"{hub_id} is not in the local cache, and the hub cannot be reached "
                                             f"({type(err).__name__}{': ' + reason[:80] if reason else ''})",
                                       repo_id) from None
     return {}

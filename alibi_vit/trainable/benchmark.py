@@ -90,8 +90,6 @@ def scribble_benchmark(train_images, train_masks, test_images, test_masks, backb
 def write_outputs(out_dir, rows, predictions, test_images, test_masks, intensity: str = "auto",
                   n_examples: int = 2) -> list[Path]:
     """benchmark.csv, miou_vs_round.png (Fig. S16b) and examples.png (S16c) in ``out_dir``."""
-    from matplotlib.figure import Figure
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     csv_path = out / "benchmark.csv"
@@ -99,28 +97,53 @@ def write_outputs(out_dir, rows, predictions, test_images, test_masks, intensity
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+    plot_path = out / "miou_vs_round.png"
+    plot_miou_vs_round(rows).savefig(plot_path)
+    examples_path = out / "examples.png"
+    plot_examples(predictions, test_images, test_masks, intensity, n_examples).savefig(examples_path)
+    return [csv_path, plot_path, examples_path]
+
+
+def plot_miou_vs_round(rows):
+    """Test mIoU against the scribble round, one line per method (Fig. S16b): a matplotlib Figure."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
     fig = Figure(figsize=(5, 3.5), dpi=100)
     ax = fig.add_subplot()
     for method in dict.fromkeys(r["method"] for r in rows):
         pts = [(r["round"], r["miou"]) for r in rows if r["method"] == method]
         ax.plot(*zip(*pts), marker="o", label=method)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
     ax.set_xlabel("scribble round")
     ax.set_ylabel("test mIoU")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    plot_path = out / "miou_vs_round.png"
-    fig.savefig(plot_path)
+    return fig
+
+
+# Panel titles wrap at this many characters: model names run long, and titles must not overlap.
+TITLE_WIDTH = 24
+
+
+def plot_examples(predictions, test_images, test_masks, intensity: str = "auto", n_examples: int = 2):
+    """Image, ground truth and each method's prediction for the first test images (Fig. S16c): a Figure."""
+    import textwrap
+
+    from matplotlib.figure import Figure
+
     n = min(n_examples, len(test_images))
     k = int(max(m.max() for m in test_masks))
     cols = 2 + len(predictions)
-    fig = Figure(figsize=(2.2 * cols, 2.3 * n), dpi=80)
+    fig = Figure(figsize=(2.2 * cols, 2.6 * n), dpi=80)
     for i in range(n):
         image01 = to_unit_float(test_images[i], intensity)
         panels = [("image", np.repeat((image01 * 255).astype(np.uint8)[..., None], 3, -1)),
                   ("ground truth", overlay(image01, test_masks[i], 0.5, k))]
-        panels += [(f"{name}\nmIoU {mean_iou(p[i], test_masks[i]):.2f}", overlay(image01, p[i], 0.5, k))
+        panels += [(textwrap.fill(name, TITLE_WIDTH, break_on_hyphens=False) +
+                    f"\nmIoU {mean_iou(p[i], test_masks[i]):.2f}", overlay(image01, p[i], 0.5, k))
                    for name, p in predictions.items()]
         for j, (title, panel) in enumerate(panels):
             ax = fig.add_subplot(n, cols, i * cols + j + 1)
@@ -128,6 +151,4 @@ def write_outputs(out_dir, rows, predictions, test_images, test_masks, intensity
             ax.set_axis_off()
             ax.set_title(title, fontsize=8)
     fig.tight_layout()
-    examples_path = out / "examples.png"
-    fig.savefig(examples_path)
-    return [csv_path, plot_path, examples_path]
+    return fig

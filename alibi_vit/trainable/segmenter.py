@@ -277,10 +277,10 @@ class TrainableSegmenter:
             np.savez(path / "vit_pca.npz", **self.vit.state())
             spec = self.backbone_spec
             if "name" in spec and not spec["pretrained"] and not spec["checkpoint"]:
-                from safetensors.torch import save_file
+                from ..models.checkpoint import save_safetensors
 
                 state = {k: v.detach().cpu().contiguous() for k, v in self.vit.model.state_dict().items()}
-                save_file(state, str(path / "backbone.safetensors"))
+                save_safetensors(state, path / "backbone.safetensors")
                 config["backbone"] = {**spec, "checkpoint": "backbone.safetensors"}
         (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         return path
