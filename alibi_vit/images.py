@@ -354,9 +354,12 @@ def load_image_set(source: str, size, noise_count: int = 8, seed: int = 0,
     bundled set (``BUNDLED_SETS``) or one of its images. A path wins over a set of the same
     name. Anything else is a FileNotFoundError that lists the bundled sets and suggests the
     closest name. ``intensity`` as in :func:`load_image` (noise is already in [0, 1]).
+    ``size=None`` keeps every image at its own size (noise needs a size).
     """
     source = str(source)
     path = Path(source)
+    if source == "noise" and size is None:
+        raise ValueError("noise images need a size")
     if source == "noise":
         named = noise_images(noise_count, size, seed)
     elif path.is_dir():
@@ -369,4 +372,4 @@ def load_image_set(source: str, size, noise_count: int = 8, seed: int = 0,
         hint = "" if os.sep in source else _did_you_mean(source, [*BUNDLED_SETS, "noise", *_BUNDLED_IMAGES])
         raise FileNotFoundError(f"{source!r} does not exist as a folder, an image file or a bundled set{hint} "
                                 f"(bundled sets: {_sets_listing()}; or 'noise')")
-    return [(name, resize_center_crop(img, size)) for name, img in named]
+    return named if size is None else [(name, resize_center_crop(img, size)) for name, img in named]

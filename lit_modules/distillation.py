@@ -26,11 +26,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 import alibi_vit
 from alibi_vit import create_backbone, load_state_dict_file, load_weights, patch_features
 from alibi_vit.analysis.feature_maps import shared_pca_rgb
+from alibi_vit.analysis.heads import (DEFAULT_SINK, figure_to_array, head_parameter_masks, head_statistics,
+                                      plot_head_maps, reinit_head_parameters)
 from alibi_vit.analysis.probe import positional_r2
 from alibi_vit.images import denormalize, load_image_set, normalize
 from alibi_vit.models.attention import POSITION_KWARGS
@@ -112,6 +114,28 @@ def cosine_distance(student: torch.Tensor, target: torch.Tensor) -> torch.Tensor
     return (1.0 - cos).mean()
 
 
+def _check_reinit_heads(options) -> Optional[dict]:
+    """``reinit_heads`` with its defaults filled in, or ``None``; a clear error for anything else."""
+    if options is None:
+        return None
+    if not isinstance(options, dict):
+        raise ValueError(f"reinit_heads must be a mapping {{threshold, passes, steps_per_pass}}, got {options!r}")
+    known = {"threshold", "passes", "steps_per_pass"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"reinit_heads has unknown keys {unknown}; it takes {sorted(known)}")
+    if "steps_per_pass" not in options:
+        raise ValueError("reinit_heads needs steps_per_pass (optimizer steps each pass trains the chosen heads)")
+    out = {"threshold": float(options.get("threshold", DEFAULT_SINK)), "passes": options.get("passes", 1),
+           "steps_per_pass": options["steps_per_pass"]}
+    if not 0.0 < out["threshold"] <= 1.0:
+        raise ValueError(f"reinit_heads.threshold is a prefix mass in (0, 1], got {out['threshold']}")
+    for key in ("passes", "steps_per_pass"):
+        if isinstance(out[key], bool) or not isinstance(out[key], int) or out[key] < 1:
+            raise ValueError(f"reinit_heads.{key} must be a positive integer, got {out[key]!r}")
+    return out
+
+
 def _images_of(batch) -> torch.Tensor:
     """Image tensor of a batch: a tensor, the first item of a tuple/list, or a dict's ``image``."""
     if isinstance(batch, torch.Tensor):
@@ -156,6 +180,16 @@ class DistillationModule(LightningModule):
         probe_fraction, probe_repeats: positional probe settings (README.md "Method" §5).
         probe_noise_images: number of uniform-noise images probed (0: skip).
         pca_images: number of bundled photos shown as PCA-as-RGB of student features (0: skip).
+        monitor_heads: at each validation, log the student's per-head prefix mass and mean attention
+            distance beside the teacher's as the image ``val/heads`` and its number of sink heads as
+            ``val/sink_heads`` (on the textures probe images; ``alibi_vit.analysis.heads``).
+        reinit_heads: surgical re-initialisation of sink heads, ``{threshold: 0.9, passes: 1,
+            steps_per_pass: N}`` (``None``: off). Pass k (k = 0..passes−1) starts at optimizer step
+            k·N: the student's heads whose prefix mass on the textures probe images is ≥ threshold
+            get fresh Q/K/V rows (and slope, if learned) and zeroed output-projection columns, and
+            for N steps only those entries train (every other gradient is dropped and every other
+            entry kept bit-identical); then normal distillation continues. A pass that finds no
+            sink head leaves its steps to normal distillation.
     """
 
     def __init__(
@@ -180,6 +214,8 @@ class DistillationModule(LightningModule):
         probe_repeats: int = 10,
         probe_noise_images: int = 4,
         pca_images: int = 3,
+        monitor_heads: bool = True,
+        reinit_heads: Optional[dict] = None,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -207,6 +243,13 @@ class DistillationModule(LightningModule):
         self.blank_channels = self._check_blank_channels(blank_channels)
         self.hparams["blank_channels"] = self.blank_channels  # checkpoints record the list actually used
         self._initialise_student(init_from)
+        self._reinit = _check_reinit_heads(reinit_heads)
+
+        # Surgical re-initialisation: the last pass started, and the one in progress (heads, masks, kept entries).
+        self._reinit_started = -1
+        self._surgery: Optional[dict] = None
+        self._surgery_resumed: Optional[dict] = None
+        self._teacher_heads = None
 
         self._student_forward = None  # compiled lazily, in the process that trains
         self._last_batch_end: Optional[float] = None
@@ -317,6 +360,10 @@ class DistillationModule(LightningModule):
                  batch_size=images.shape[0])
         return loss
 
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        if self._reinit is not None:
+            self._surgery_schedule()
+
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         # Wall time between consecutive batch ends covers data loading, teacher and student.
         now = time.perf_counter()
@@ -343,6 +390,12 @@ class DistillationModule(LightningModule):
         if self.trainer.sanity_checking or not self.trainer.is_global_zero:
             return
         self._monitor_position()
+        if self.hparams.monitor_heads:
+            self._monitor_heads()
+
+    def on_train_end(self) -> None:
+        if self._surgery is not None:  # the run ended inside a pass: report it, keep it for a resume
+            self._finish_surgery(keep=True)
 
     # -- monitoring: positional probe and PCA images ----------------------------------------------
 
@@ -391,6 +444,118 @@ class DistillationModule(LightningModule):
             inputs = denormalize(images.cpu())
             self.logger.experiment.add_images("val/student_pca", torch.cat([inputs, shown], dim=-1),
                                               global_step=self.global_step)
+
+    # -- monitoring: attention heads ---------------------------------------------------------------
+
+    def _sink_threshold(self) -> float:
+        return self._reinit["threshold"] if self._reinit is not None else DEFAULT_SINK
+
+    def _head_stats(self, model: nn.Module):
+        return head_statistics(model, self._probe_sets()["textures"].to(self.device))
+
+    def _monitor_heads(self) -> None:
+        """Per-head prefix mass and mean distance of student and teacher (once) as an image; sink-head counts."""
+        threshold = self._sink_threshold()
+        if self._teacher_heads is None:
+            self._teacher_heads = self._head_stats(self._teacher_on(self._probe_sets()["textures"].to(self.device)))
+        student = self._head_stats(self.student)
+        self.log("val/sink_heads", float(len(student.sink_heads(threshold))), rank_zero_only=True)
+        self.log("val/teacher_sink_heads", float(len(self._teacher_heads.sink_heads(threshold))), rank_zero_only=True)
+        if isinstance(self.logger, TensorBoardLogger):
+            fig = plot_head_maps({f"teacher {self.hparams.teacher}": self._teacher_heads,
+                                  f"student, step {self.global_step}": student}, sink=threshold)
+            self.logger.experiment.add_image("val/heads", figure_to_array(fig), global_step=self.global_step,
+                                             dataformats="HWC")
+
+    # -- surgical re-initialisation of sink heads ------------------------------------------------------
+
+    def _surgery_schedule(self) -> None:
+        """At the first batch of each pass: finish the previous one, detect sink heads, re-initialise them."""
+        steps, step = self._reinit["steps_per_pass"], self.global_step
+        if self._surgery is not None and step >= self._surgery["end"]:
+            self._finish_surgery()
+        if self._surgery_resumed is not None:  # resumed inside a pass: same heads, no second re-initialisation
+            state, self._surgery_resumed = self._surgery_resumed, None
+            if step < state["end"]:
+                self._begin_surgery(state["pass"], [tuple(h) for h in state["heads"]], state["before"], reinit=False)
+        k = step // steps
+        if k < self._reinit["passes"] and k > self._reinit_started:
+            self._reinit_started = k
+            stats = self._head_stats(self.student)
+            heads = stats.sink_heads(self._reinit["threshold"])
+            if not heads:
+                rank_zero_info(f"reinit_heads pass {k + 1}: no head with prefix mass ≥ {self._reinit['threshold']:g}; "
+                               "normal distillation")
+                return
+            self._begin_surgery(k, heads, [float(stats.prefix_mass[i, j]) for i, j in heads], reinit=True)
+
+    def _begin_surgery(self, k: int, heads, before, reinit: bool) -> None:
+        by_layer: dict[int, list[int]] = {}
+        for layer, head in heads:
+            by_layer.setdefault(layer, []).append(head)
+        masks = {}
+        for layer, layer_heads in by_layer.items():
+            attn = self.student.blocks[layer].attn
+            mine = (reinit_head_parameters if reinit else head_parameter_masks)(attn, layer_heads)
+            masks.update({f"blocks.{layer}.attn.{name}": mask for name, mask in mine.items()})
+        params = dict(self.student.named_parameters())
+        self._surgery = {"pass": k, "heads": [list(h) for h in heads], "before": list(before),
+                         "end": (k + 1) * self._reinit["steps_per_pass"], "masks": masks,
+                         # Entries outside the heads, restored after each step (AdamW's decoupled weight decay
+                         # moves every parameter that has a gradient, even a zero one).
+                         "kept": {name: params[name].detach().clone() for name in masks}}
+        if reinit:
+            listed = ", ".join(f"{i}.{j} ({b:.3f})" for (i, j), b in zip(heads, before))
+            rank_zero_info(f"reinit_heads pass {k + 1}: re-initialised {len(heads)} sink heads, layer.head (prefix "
+                           f"mass): {listed}; training only them for {self._reinit['steps_per_pass']} steps")
+
+    def _finish_surgery(self, keep: bool = False) -> None:
+        state = self._surgery
+        if not keep:
+            self._surgery = None
+        heads = [tuple(h) for h in state["heads"]]
+        stats = self._head_stats(self.student)
+        after = [float(stats.prefix_mass[i, j]) for i, j in heads]
+        listed = ", ".join(f"{i}.{j} {b:.3f} → {a:.3f}" for (i, j), b, a in zip(heads, state["before"], after))
+        rank_zero_info(f"reinit_heads pass {state['pass'] + 1} {'stopped' if keep else 'done'} at step "
+                       f"{self.global_step}: prefix mass of the re-initialised heads {listed}")
+        if self.logger is not None and self.trainer.is_global_zero:
+            self.logger.log_metrics({"reinit/heads": float(len(heads)),
+                                     "reinit/prefix_mass_before": sum(state["before"]) / len(heads),
+                                     "reinit/prefix_mass_after": sum(after) / len(heads)}, step=self.global_step)
+            if isinstance(self.logger, TensorBoardLogger):
+                self.logger.experiment.add_text(
+                    "reinit/heads", f"pass {state['pass'] + 1} (layer.head: prefix mass before → after): {listed}",
+                    global_step=self.global_step)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self._surgery is None:
+            return
+        masks = self._surgery["masks"]
+        for name, param in self.student.named_parameters():
+            if name not in masks:
+                param.grad = None  # no gradient: AdamW leaves the parameter and its state alone
+            elif param.grad is not None:
+                param.grad.mul_(masks[name])
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if self._surgery is not None:
+            params = dict(self.student.named_parameters())
+            with torch.no_grad():
+                for name, mask in self._surgery["masks"].items():
+                    params[name].copy_(torch.where(mask, params[name], self._surgery["kept"][name]))
+
+    def on_save_checkpoint(self, checkpoint) -> None:
+        if self._reinit is not None:
+            active = None if self._surgery is None else {k: self._surgery[k] for k in ("pass", "heads", "before", "end")}
+            checkpoint["reinit_heads"] = {"started": self._reinit_started, "active": active}
+
+    def on_load_checkpoint(self, checkpoint) -> None:
+        state = checkpoint.get("reinit_heads")
+        if state is not None and self._reinit is not None:
+            self._reinit_started = int(state["started"])
+            self._surgery_resumed = state["active"]
 
     # -- optimisation -----------------------------------------------------------------------------
 

@@ -230,11 +230,12 @@ def test_demo_config_trains_logs_and_checkpoints(demo_run):
     losses = scalars(demo_run, "train/loss")
     assert [s for s, _ in losses] == list(range(10))
     for tag in ("train/lr", "train/img_per_s", "val/loss", "val/probe_r2_textures", "val/probe_r2_noise",
-                "val/teacher_probe_r2_textures"):
+                "val/teacher_probe_r2_textures", "val/sink_heads", "val/teacher_sink_heads"):
         assert scalars(demo_run, tag), tag
     acc = EventAccumulator(str(demo_run), size_guidance={"images": 0})
     acc.Reload()
-    assert "val/student_pca" in acc.Tags()["images"]
+    assert {"val/student_pca", "val/heads"} <= set(acc.Tags()["images"])
+    assert [v for _, v in scalars(demo_run, "val/sink_heads")] == [0.0, 0.0]  # random init: near-uniform heads
     # Linear warmup over 5 steps, then cosine decay of the configured 1e-3 to 0 over the remaining 5.
     lrs = dict(scalars(demo_run, "train/lr"))
     expected = [1e-3 * (s + 1) / 5 for s in range(5)] + [1e-3 * 0.5 * (1 + np.cos(np.pi * (s - 5) / 5))
