@@ -200,3 +200,23 @@ def test_pretrained_weights_offline_fail_fast_naming_the_way_out(tmp_path, capsy
     assert reason in line
     assert "--checkpoint PATH" in line and "hf download timm/vit_small_patch14_reg4_dinov2.lvd142m" in line
     assert len(no_network) == (0 if offline_env else 1)  # one metadata request, no retries
+
+
+def test_version_and_help_texts(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"alibi-vit {version('alibi-vit')}"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    top = capsys.readouterr().out
+    assert "``" not in top and "alibi-vit COMMAND --help" in top
+    for action in ("train", "apply", "benchmark"):  # each segment action says what it does
+        with pytest.raises(SystemExit):
+            main(["segment", action, "--help"])
+        usage, _, rest = capsys.readouterr().out.partition("\n\n")
+        assert rest.split("\n\n")[0].strip() and not rest.startswith("options:"), rest[:200]
+    with pytest.raises(SystemExit):
+        main(["probe", "--help"])
+    assert "(default 224)" in " ".join(capsys.readouterr().out.split())
