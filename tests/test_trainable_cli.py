@@ -151,7 +151,10 @@ def test_out_that_is_a_file_fails_before_training(files, tmp_path, capsys, monke
     taken.write_text("a file, not a folder")
     assert main(["segment", "train", "--images", str(root / "images"), "--labels", str(root / "labels"),
                  "--out", str(taken)]) == 2
-    assert f"--out {taken} is an existing file" in _one_line_error(capsys)
+    assert f"--out {taken}: {taken} is an existing file" in _one_line_error(capsys)
+    assert main(["segment", "train", "--images", str(root / "images"), "--labels", str(root / "labels"),
+                 "--out", str(taken / "inside")]) == 2
+    assert f"--out {taken / 'inside'}: {taken} is an existing file" in _one_line_error(capsys)
 
 
 @pytest.fixture(scope="module")

@@ -144,10 +144,12 @@ def _check_backbone_weights(args, names):
 
 
 def _check_out_folder(out: Path, option: str = "--out") -> None:
-    """Fail before any work when the output folder cannot be one (an existing file, say)."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{option} {out} is an existing file; give a folder")
-    out.mkdir(parents=True, exist_ok=True)  # unwritable places fail here, not after training
+    """Fail before any work when the output folder cannot be one (it, or a folder above it, is a file)."""
+    for place in (out, *out.parents):
+        if place.exists():
+            if not place.is_dir():
+                raise ValueError(f"{option} {out}: {place} is an existing file; give a folder")
+            return
 
 
 def _classifier_params(args):
@@ -194,6 +196,7 @@ def _apply(args) -> int:
     files = list_image_files(args.images)
     _check_out_folder(args.out)
     seg = TrainableSegmenter.load(args.model, device=args.device)
+    args.out.mkdir(parents=True, exist_ok=True)
     if args.crf != "model":
         seg.crf = args.crf == "on"
     k = int(seg.classes_.max())
