@@ -3,8 +3,10 @@
 import numpy as np
 import pytest
 
-from alibi_vit.analysis.overclustering import (cluster_features, labels_to_patch_grid, map_clusters, miou_from_clusters,
-                                      overclustering, overclustering_miou)
+from alibi_vit.analysis.overclustering import (cluster_features, labels_to_patch_grid, map_clusters,
+                                               miou_from_cluster_maps, miou_from_clusters, overclustering,
+                                               overclustering_miou, overclustering_seeds, reduce_features,
+                                               upsample_nearest)
 
 
 def _blobs(num_classes=4, per_class=150, dim=8, sub=1, seed=0, spread=0.05):
@@ -39,10 +41,14 @@ def test_hand_computed_many_to_one():
     np.testing.assert_allclose(r.per_class_iou, [1.0, 0.75, 0.0])
 
 
-def test_absent_class_left_out():
+def test_absent_class_counts_zero_as_leopart_or_is_skipped():
     labels = np.array([0, 0, 1, 1])
-    r = miou_from_clusters(np.array([0, 0, 1, 1]), labels, 3, 3)
+    r = miou_from_clusters(np.array([0, 0, 1, 1]), labels, 3, 3)  # Leopart: tp / max(tp+fp+fn, 1e-8), mean of all
+    assert r.per_class_iou.tolist() == [1.0, 1.0, 0.0] and r.miou == pytest.approx(2 / 3)
+    r = miou_from_clusters(np.array([0, 0, 1, 1]), labels, 3, 3, absent="skip")
     assert np.isnan(r.per_class_iou[2]) and r.miou == 1.0
+    with pytest.raises(ValueError, match="absent must be"):
+        miou_from_clusters(np.array([0, 0, 1, 1]), labels, 3, 3, absent="nan")
 
 
 def test_permutation_of_cluster_ids_changes_nothing():
@@ -64,10 +70,73 @@ def test_well_separated_blobs_score_near_one(k, sub):
     assert overclustering_miou(features, labels, k, 4) > 0.98
 
 
-def test_minibatch_path_on_blobs():
-    features, labels = _blobs(per_class=300, sub=2)
-    r = overclustering(features.astype(np.float16), labels, 8, 4, full_kmeans_max=100, chunk=256)
-    assert r.miou > 0.98
+def test_float16_features_and_chunked_statistics():
+    features, labels = _blobs(per_class=300, sub=2, dim=60)
+    assert reduce_features(features, chunk=100).shape == (len(labels), 50)  # 60 channels → 50 PCA dimensions
+    np.testing.assert_allclose(reduce_features(features, chunk=100), reduce_features(features), atol=1e-4)
+    assert overclustering(features.astype(np.float16), labels, 8, 4).miou > 0.98
+
+
+def test_huge_nuisance_channel_still_clusters_by_class():
+    # 4 classes in 59 channels; channel 59 is uniform noise 10⁴ times larger than the class separation
+    features, labels = _blobs(per_class=200, dim=59, spread=1.0)
+    rng = np.random.default_rng(1)
+    nuisance = rng.uniform(-1, 1, size=(len(labels), 1)).astype(np.float32) * 1e5
+    features = np.concatenate([features, nuisance], axis=1)
+    from sklearn.cluster import KMeans  # without standardisation k-means splits along the nuisance channel
+
+    raw = KMeans(4, n_init=5, random_state=0).fit_predict(features)
+    assert miou_from_clusters(raw, labels, 4, 4).miou < 0.5
+    assert overclustering_miou(features, labels, 4, 4) > 0.98
+
+
+def test_standardised_pca_features():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(500, 80)) * rng.uniform(0.01, 100, size=80) + rng.normal(size=80) * 50
+    z = reduce_features(x.astype(np.float32))
+    assert z.shape == (500, 50) and z.dtype == np.float32
+    np.testing.assert_allclose(z.mean(0), 0, atol=1e-3)
+    # PCA of standardised data: component variances are the top eigenvalues of the correlation matrix
+    eig = np.sort(np.linalg.eigvalsh(np.corrcoef(x, rowvar=False)))[::-1][:50]
+    np.testing.assert_allclose(z.var(0), eig, rtol=1e-3)  # StandardScaler: ddof 0
+
+
+def test_upsample_nearest_by_hand():
+    maps = np.array([[[1, 2], [3, 4]]])
+    np.testing.assert_array_equal(upsample_nearest(maps, 4)[0], [[1, 1, 2, 2], [1, 1, 2, 2], [3, 3, 4, 4],
+                                                                [3, 3, 4, 4]])
+    np.testing.assert_array_equal(upsample_nearest(maps, (3, 2))[0], [[1, 2], [1, 2], [3, 4]])
+
+
+def test_pixel_scoring_equals_hand_computed_confusion():
+    # one image, 2×2 cluster map → 4×4 pixels; 2 classes, 2 clusters (Hungarian)
+    clusters = np.array([[[0, 1], [1, 1]]])
+    masks = np.array([[[0, 0, 1, 255],
+                       [0, 255, 1, 1],
+                       [0, 0, 1, 1],
+                       [255, 1, 1, 1]]])
+    # upsampled clusters: rows 0-1 = [0 0 1 1], rows 2-3 = [1 1 1 1]; non-ignore pixels only:
+    # cluster 0 covers label 0 ×3 (the 255 at (1,1) does not count); cluster 1 covers label 0 ×2, label 1 ×8
+    # mapping 0→0, 1→1; confusion (label, pred) = [[3, 2], [0, 8]]
+    # IoU 0 = 3 / (3 + 2 + 0) = 0.6; IoU 1 = 8 / (8 + 0 + 2) = 0.8
+    r = miou_from_cluster_maps(clusters, masks, 2, 2)
+    assert r.cluster_to_class.tolist() == [0, 1]
+    np.testing.assert_allclose(r.per_class_iou, [0.6, 0.8])
+    assert r.miou == pytest.approx(0.7)
+    # the same through overclustering_seeds: features (B, h, w, C) whose k-means partition is the map above
+    feats = np.array([[[[0.0, 0.0], [5.0, 5.0]], [[5.0, 5.1], [5.1, 5.0]]]], dtype=np.float32)
+    summary = overclustering_seeds(feats, masks, 2, 2, seeds=(0, 1))
+    np.testing.assert_allclose(summary.mious, [0.7, 0.7])
+    assert summary.miou == pytest.approx(0.7) and summary.std == 0
+
+
+def test_seeds_summary_reports_spread():
+    features, labels = _blobs(sub=3, spread=3.0, dim=6)
+    s = overclustering_seeds(features, labels, 6, 4, seeds=(0, 1, 2, 3, 4))
+    assert s.mious.shape == (5,) and s.seeds == (0, 1, 2, 3, 4)
+    assert s.miou == pytest.approx(s.mious.mean()) and s.std == pytest.approx(s.mious.std())
+    assert s.min <= s.miou <= s.max
+    assert s.mious[2] == pytest.approx(overclustering_miou(features, labels, 6, 4, seed=2))
 
 
 def test_noise_scores_near_chance():
@@ -82,6 +151,13 @@ def test_noise_scores_near_chance():
 def test_kmeans_is_seeded():
     features, _ = _blobs(sub=3, spread=2.0)
     np.testing.assert_array_equal(cluster_features(features, 6, seed=1), cluster_features(features, 6, seed=1))
+
+
+def test_pixel_inputs_checked():
+    with pytest.raises(ValueError, match=r"must be \(B, h, w, C\)"):
+        overclustering_seeds(np.zeros((4, 2), np.float32), np.zeros((1, 4, 4), int), 2, 2)
+    with pytest.raises(ValueError, match="2 images but the masks 1"):
+        overclustering_seeds(np.zeros((2, 2, 2, 3), np.float32), np.zeros((1, 4, 4), int), 2, 2)
 
 
 @pytest.mark.parametrize("labels, k, match", [

@@ -8,7 +8,9 @@ import torch
 
 from alibi_vit import create_backbone, patch_features
 from alibi_vit.cli import overcluster as overcluster_cli
-from alibi_vit.analysis.overclustering import labels_to_patch_grid, overclustering_miou
+import numpy as np
+
+from alibi_vit.analysis.overclustering import overclustering_seeds
 from alibi_vit.analysis.rasa import fold_planes
 from datamodules.demo_voc import write_demo_voc
 from tests.helpers import run_subcommand
@@ -34,21 +36,27 @@ def test_overcluster_matches_direct_computation(voc, tmp_path, capsys):
     out = tmp_path / "oc.csv"
     assert _run(["--backbone", "vit_small_patch14_reg4_dinov2", "--checkpoint", str(path), *KWARGS,
                  "--data.root", str(voc), "--k", "21", "25", "--size", "56", "--num-workers", "0",
-                 "--batch-size", "4", "--out", str(out)]) == 0
+                 "--batch-size", "4", "--seeds", "0", "3", "--out", str(out)]) == 0
     rows = list(csv.DictReader(open(out)))
     assert [int(r["k"]) for r in rows] == [21, 25]
-    assert int(rows[0]["patches"]) == 6 * 4 * 4
+    assert int(rows[0]["patches"]) == 6 * 4 * 4 and rows[0]["seeds"] == "0 3" and rows[0]["absent"] == "zero"
     assert "IoU_background" in rows[0] and "mIoU" in capsys.readouterr().out
 
-    # the same numbers from the pieces: VOC val images stretched to 56 px, RASA-folded features, majority labels
+    # the same numbers from the pieces: VOC val images stretched to 56 px, RASA-folded features, masks at 100 px
     dm = overcluster_cli.voc_datamodule(voc, size=56, batch_size=6, num_workers=0)
     batch = next(iter(dm.val_dataloader()))
     with torch.no_grad():
         feats = patch_features(fold_planes(model, planes), batch["image"])
-    flat = feats.permute(0, 2, 3, 1).reshape(-1, 48).half().numpy()
-    labels = labels_to_patch_grid(batch["label"].numpy(), 14, 21).reshape(-1)
+    maps = feats.permute(0, 2, 3, 1).half().numpy()
+    # nearest 56 → 100 px: pixel i takes label pixel ⌊i·56/100⌋
+    idx = np.arange(100) * 56 // 100
+    masks = batch["label"].numpy()[:, idx][:, :, idx]
+    assert int(rows[0]["scored_pixels"]) == int((masks != 255).sum())
     for row in rows:
-        assert float(row["mIoU"]) == pytest.approx(overclustering_miou(flat, labels, int(row["k"]), 21), abs=1e-6)
+        expected = overclustering_seeds(maps, masks, int(row["k"]), 21, seeds=(0, 3))
+        assert float(row["mIoU"]) == pytest.approx(expected.miou, abs=1e-6)
+        assert float(row["mIoU_std"]) == pytest.approx(expected.std, abs=1e-6)
+        assert [float(v) for v in row["mIoU_per_seed"].split()] == pytest.approx(expected.mious.tolist(), abs=1e-6)
 
 
 def test_overcluster_bad_k(voc, tmp_path):
@@ -105,4 +113,4 @@ def test_comparison_table(voc, tmp_path):
     assert 0 <= float(cells[0][5]) <= 1 and cells[1][5] == ""
     with open(out) as f:
         csv_rows = list(csv.DictReader(f))
-    assert cells[0][3] == f"{float(csv_rows[0]['mIoU']):.3f}" and float(csv_rows[0]["probe_mIoU"]) <= 1
+    assert cells[0][3] == f"{float(csv_rows[0]['mIoU']):.3f} ± {float(csv_rows[0]['mIoU_std']):.3f}" and float(csv_rows[0]["probe_mIoU"]) <= 1

@@ -2,12 +2,16 @@
 
 For each backbone, every image of the VOC split (``val`` by default: 1,449 images for VOC12) is
 resized to ``--size`` px (stretched, as the segmentation probe does) and its final-normed patch
-features are kept as float16; its label map is matched to the patch grid (each patch takes the
-label most of its pixels have, 255 included). k-means with each ``--k`` then runs over all
-patches of the set, clusters are mapped to classes (Hungarian for k = 21, many-to-one above) and
-mIoU comes from one confusion matrix over the whole set.
+features are kept as float16; its label mask is resized (nearest) to ``--mask-size`` px (100:
+Leopart's protocol). The features of all patches are standardised per channel and reduced to 50
+dimensions with PCA; k-means (scikit-learn, 5 restarts, ≤ 50 iterations) with each ``--k`` and
+each of ``--seeds`` (5 by default) runs over them; each image's cluster map is nearest-upsampled
+to the mask size and the non-ignore pixels are scored: clusters mapped to classes (Hungarian for
+k = 21, many-to-one above), mIoU from one confusion matrix over the whole set, classes absent
+from labels and predictions counted as IoU 0 (Leopart; ``--absent skip`` leaves them out).
 
-Prints a table (backbone × k) and writes a CSV with the per-class IoU. A ``--checkpoint`` that
+Prints a table (backbone × k, mean ± standard deviation over the seeds) and writes a CSV with the
+per-seed mIoU and the per-class IoU (mean over the seeds). A ``--checkpoint`` that
 holds a RASA projection (``rasa_projection``, from ``lightning fit --config configs/rasa.yaml``)
 is loaded as the folded model. Without ``--pretrained`` or ``--checkpoint`` a backbone is randomly
 initialised: that checks the pipeline, nothing more.
@@ -53,7 +57,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "RASA reference used 224)")
     parser.add_argument("--k", type=int, nargs="+", default=[21, 100, 300],
                         help="k-means clusters (default 21 100 300)")
-    parser.add_argument("--seed", type=int, default=0, help="k-means seed")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4],
+                        help="k-means seeds; the table gives the mean and standard deviation (default 0 1 2 3 4)")
+    parser.add_argument("--mask-size", type=int, default=100,
+                        help="label masks are resized (nearest) to SIZE×SIZE px and scored per pixel (default 100, "
+                             "Leopart's protocol)")
+    parser.add_argument("--absent", choices=("zero", "skip"), default="zero",
+                        help="a class absent from labels and predictions: IoU 0 in the mean (zero, Leopart's "
+                             "PredsmIoU; default) or left out (skip)")
     parser.add_argument("--max-images", type=int, default=None, help="only the first N images of the split")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--num-workers", type=int, default=4)
@@ -121,20 +132,21 @@ def voc_datamodule(root, year: int = 2012, split: str = "val", size: int = 518, 
     return dm
 
 
-def backbone_features(model, loader, max_images: int | None = None, num_classes: int = 21):
-    """Patch features (M, C) float16 and patch-grid labels (M,) uint8 of every image ``loader`` gives.
+def backbone_features(model, loader, max_images: int | None = None, num_classes: int = 21, mask_size: int = 100):
+    """Patch features (N, h, w, C) float16 and label masks (N, mask_size, mask_size) uint8 of every image
+    ``loader`` gives (masks resized by nearest neighbour, 255 = ignore).
 
     Features are written into one preallocated float16 array, so memory is the features in float16.
     """
     import numpy as np
     import torch
 
-    from ..analysis.overclustering import labels_to_patch_grid
+    from ..analysis.overclustering import resize_labels_nearest
     from ..features import patch_features
 
     device = next(model.parameters()).device
     n_images = len(loader.dataset) if max_images is None else min(max_images, len(loader.dataset))
-    features = labels = None
+    features = masks = None
     done = 0
     for batch in loader:
         if done >= n_images:
@@ -143,23 +155,21 @@ def backbone_features(model, loader, max_images: int | None = None, num_classes:
         with torch.no_grad():
             feats = patch_features(model, images)  # (B, C, h, w)
         B, C, h, w = feats.shape
-        grid = labels_to_patch_grid(batch["label"][:B].numpy(), model.patch_embed.patch_size, num_classes)
         if features is None:
-            features = np.empty((n_images * h * w, C), dtype=np.float16)
-            labels = np.empty(n_images * h * w, dtype=np.uint8)
-        rows = slice(done * h * w, (done + B) * h * w)
-        features[rows] = feats.permute(0, 2, 3, 1).reshape(-1, C).to(torch.float16).cpu().numpy()
-        labels[rows] = grid.reshape(-1)
+            features = np.empty((n_images, h, w, C), dtype=np.float16)
+            masks = np.empty((n_images, mask_size, mask_size), dtype=np.uint8)
+        features[done:done + B] = feats.permute(0, 2, 3, 1).to(torch.float16).cpu().numpy()
+        masks[done:done + B] = resize_labels_nearest(batch["label"][:B].numpy(), mask_size)
         done += B
-    return features, labels
+    return features, masks
 
 
-def voc_patch_features(model, datamodule, max_images: int | None = None):
-    """(features (M, C) float16, labels (M,) uint8) of a VOC datamodule's validation split through ``model``."""
+def voc_patch_features(model, datamodule, max_images: int | None = None, mask_size: int = 100):
+    """(features (N, h, w, C) float16, masks (N, S, S) uint8) of a VOC datamodule's validation split."""
     from .options import check_image_size
 
     check_image_size(datamodule.image_size[0], model)
-    return backbone_features(model, datamodule.val_dataloader(), max_images)
+    return backbone_features(model, datamodule.val_dataloader(), max_images, mask_size=mask_size)
 
 
 def positional_r2_of(model, image_set: str, size: int, batch_size: int = 8) -> float:
@@ -198,18 +208,18 @@ def probe_miou(path, root, year: int, split: str, size: int, batch_size: int, nu
 
 
 def markdown_table(rows: list[dict], ks, r2_sets, with_probe: bool) -> str:
-    """One row per backbone: weights, positional R² per set, OverClustering mIoU per k, probe mIoU (fractions, as
-    every mIoU the project reports)."""
+    """One row per backbone: weights, positional R² per set, OverClustering mIoU per k (mean ± standard deviation
+    over the seeds), probe mIoU (fractions, as every mIoU the project reports)."""
     by_label: dict[str, dict] = {}
     for r in rows:
         by_label.setdefault(r["backbone"], {"weights": r["weights"], **{f"R² {s}": r.get(f"r2_{s}") for s in r2_sets},
-                                            "probe": r.get("probe_mIoU")})[f"k={r['k']}"] = r["mIoU"]
+                                            "probe": r.get("probe_mIoU")})[f"k={r['k']}"] = (r["mIoU"], r["mIoU_std"])
     head = ["backbone", "weights", *[f"R² {s}" for s in r2_sets], *[f"OC k={k}" for k in ks]]
     head += ["probe mIoU"] if with_probe else []
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for label, v in by_label.items():
         cells = [label, v["weights"], *[f"{v[f'R² {s}']:.3f}" for s in r2_sets],
-                 *[f"{v[f'k={k}']:.3f}" for k in ks]]
+                 *[f"{v[f'k={k}'][0]:.3f} ± {v[f'k={k}'][1]:.3f}" for k in ks]]
         if with_probe:
             cells.append("" if v["probe"] is None else f"{v['probe']:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
@@ -221,10 +231,12 @@ def run(args) -> int:
 
     from datamodules.segmentation import VOC_CLASSES
 
-    from ..analysis.overclustering import overclustering
+    from ..analysis.overclustering import overclustering_seeds
     from .options import check_image_size, checkpoints_by_model
 
     check_image_size(args.size)
+    if args.mask_size < 1:
+        raise ValueError(f"--mask-size must be positive, got {args.mask_size}")
     for k in args.k:
         if k < len(VOC_CLASSES):
             raise ValueError(f"--k {k} is fewer than VOC's {len(VOC_CLASSES)} classes; OverClustering needs k >= 21")
@@ -239,7 +251,7 @@ def run(args) -> int:
     rows = []
     for label, name, weights, model in build_backbones(args):
         start = time.perf_counter()
-        features, labels = voc_patch_features(model, datamodule, args.max_images)
+        features, masks = voc_patch_features(model, datamodule, args.max_images, args.mask_size)
         seconds = time.perf_counter() - start
         extra = {f"r2_{s}": positional_r2_of(model, s, args.r2_size) for s in args.r2_images}
         if label in probes:
@@ -249,13 +261,19 @@ def run(args) -> int:
         del model
         for k in args.k:
             t0 = time.perf_counter()
-            result = overclustering(features, labels, k, len(VOC_CLASSES), seed=args.seed)
+            result = overclustering_seeds(features, masks, k, len(VOC_CLASSES), seeds=args.seeds, absent=args.absent)
             rows.append({"backbone": label, "model": name, "weights": weights, "k": k, "mIoU": result.miou,
-                         **extra, "patches": len(labels), "feature_s": round(seconds, 2),
+                         "mIoU_std": result.std, "mIoU_min": result.min, "mIoU_max": result.max,
+                         "mIoU_per_seed": " ".join(f"{m:.6f}" for m in result.mious),
+                         "seeds": " ".join(map(str, result.seeds)), "absent": args.absent, **extra,
+                         "images": features.shape[0], "patches": features.shape[0] * features.shape[1] * features.shape[2],
+                         "scored_pixels": int((masks != 255).sum()), "feature_s": round(seconds, 2),
                          "kmeans_s": round(time.perf_counter() - t0, 2),
                          **{f"IoU_{c}": v for c, v in zip(VOC_CLASSES, result.per_class_iou)}})
     table = markdown_table(rows, args.k, args.r2_images, bool(probes))
-    print(f"OverClustering mIoU on VOC{args.year} {args.split}, {args.size} px, {rows[0]['patches']} patches:\n")
+    print(f"OverClustering mIoU on VOC{args.year} {args.split}, {args.size} px, {rows[0]['patches']} patches, "
+          f"{rows[0]['scored_pixels']} pixels scored at {args.mask_size}×{args.mask_size}; mean ± std over seeds "
+          f"{' '.join(map(str, args.seeds))}:\n")
     print(table)
     fields = list(dict.fromkeys(key for r in rows for key in r))
     with open(args.out, "w", newline="") as f:
