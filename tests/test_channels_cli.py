@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from alibi_vit.analysis.channels import rank_channels
+from alibi_vit.analysis.channels import rank_channels, rank_per_ramp, union_of_tops
+from alibi_vit.analysis.probe import per_channel_r2, position_targets
 from alibi_vit.cli import channels as channels_cli
 from alibi_vit.models.checkpoint import create_backbone
 from tests.helpers import run_subcommand
@@ -57,7 +58,7 @@ def test_planted_positional_channels_rank_first(planted_checkpoint, tmp_path, ca
     out = tmp_path / "channels.csv"
     assert run_channels(["--model", "vit_small_patch14_reg4_dinov2", *_model_args(), "--checkpoint",
                          str(planted_checkpoint), "--images", "noise", "--noise-count", "2", "--size", "112",
-                         "--top", "4", "--repeats", "3", "--out", str(out)]) == 0
+                         "--top", "4", "--target", "xy", "--repeats", "3", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "blank_channels: [5, 6, 9, 10]" in printed
     with open(out) as f:
@@ -69,6 +70,45 @@ def test_planted_positional_channels_rank_first(planted_checkpoint, tmp_path, ca
     assert r2 == sorted(r2, reverse=True)
     # One axis each: about half of the joint (x, y) R²; noise channels explain nothing held out.
     assert min(r2[:4]) > 0.3 and max(r2[4:]) < 0.2
+
+
+def test_default_ranks_per_ramp_and_blanks_the_union(planted_checkpoint, tmp_path, capsys):
+    out = tmp_path / "ramps.csv"
+    assert run_channels(["--model", "vit_small_patch14_reg4_dinov2", *_model_args(), "--checkpoint",
+                         str(planted_checkpoint), "--images", "noise", "--noise-count", "2", "--size", "112",
+                         "--repeats", "3", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["target"] for r in rows[::ARCH["embed_dim"]]] == ["x", "y", "diag", "radial"]
+    assert len(rows) == 4 * ARCH["embed_dim"] and {r["fit"] for r in rows} == {"ridge"}
+    top2 = {t: [int(r["channel"]) for r in rows if r["target"] == t and int(r["rank"]) <= 2]
+            for t in ("x", "y", "diag", "radial")}
+    assert set(top2["x"]) == {5, 6} and set(top2["y"]) == {9, 10}
+    union = sorted({c for cs in top2.values() for c in cs})
+    assert f"blank_channels: [{', '.join(map(str, union))}]" in printed
+
+
+def test_per_ramp_ranking_finds_a_radial_channel_that_xy_misses():
+    # channel 3: distance from the centre; 7: x; 8: y; the rest noise. Radial is symmetric about the centre,
+    # so a linear fit of x or y from it explains nothing, and the joint (x, y) ranking puts it among the noise.
+    rng = np.random.default_rng(0)
+    h = w = 12
+    feats = rng.normal(size=(3, 16, h, w))
+    for c, target in ((3, "radial"), (7, "x"), (8, "y")):
+        feats[:, c] = 4 * position_targets((h, w), target)[:, 0].reshape(h, w) + 0.05 * feats[:, c]
+    options = dict(fraction=0.25, repeats=4, seed=0)
+    xy = per_channel_r2(feats, "xy", **options)
+    assert rank_channels(xy)[:2] in ([7, 8], [8, 7]) and 3 not in rank_channels(xy)[:3] and xy[3] < 0.05
+    by_ramp = rank_per_ramp(feats, **options)
+    assert list(by_ramp) == ["x", "y", "diag", "radial"]
+    assert rank_channels(by_ramp["radial"])[0] == 3 and by_ramp["radial"][3] > 0.95
+    chosen = union_of_tops(by_ramp, 2)
+    assert 3 in chosen and {7, 8} <= set(chosen)
+    assert chosen[:2] == rank_channels(by_ramp["x"])[:2]  # ramp order, then rank order, no repeats
+    assert len(chosen) == len(set(chosen))
+    with pytest.raises(ValueError, match="top must be at least 1"):
+        union_of_tops(by_ramp, 0)
 
 
 def test_rank_channels_orders_by_r2_with_nan_last():

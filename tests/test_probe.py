@@ -62,9 +62,27 @@ def test_per_channel_fingerprint_finds_the_ramp_channel():
     rng = np.random.default_rng(0)
     feats = rng.normal(size=(5, 10, 10))
     feats[3] = position_targets((10, 10), "x")[:, 0].reshape(10, 10)
-    r2 = per_channel_r2(feats, target="x", fraction=0.2)
+    r2 = per_channel_r2(feats, target="x", fraction=0.2, fit="lstsq")
     assert r2.shape == (5,)
     assert r2[3] == pytest.approx(1.0) and np.delete(r2, 3).max() < 0.3
+    ridge = per_channel_r2(feats, target="x", fraction=0.2)  # α = 1 shrinks the exact fit a little
+    assert 0.99 < ridge[3] < 1.0 and np.delete(ridge, 3).max() < 0.3
+
+
+@pytest.mark.parametrize("target", ["x", "radial", "xy"])
+def test_per_channel_ridge_equals_sklearn_on_each_channel(target):
+    # the closed form is StandardScaler + Ridge(α) fitted on one channel alone, as positional_r2 does on C = 1
+    rng = np.random.default_rng(1)
+    feats = rng.normal(size=(2, 6, 9, 7)) * rng.uniform(0.1, 20, size=(1, 6, 1, 1))
+    feats[:, 2] += 3 * position_targets((9, 7), "radial")[:, 0].reshape(9, 7)
+    feats[:, 4] = 5.0  # a constant channel: its prediction is the mean
+    for alpha in (1.0, 7.0):
+        r2 = per_channel_r2(feats, target, fraction=0.3, repeats=3, seed=2, alpha=alpha)
+        expected = [positional_r2(feats[:, [c]], target, fraction=0.3, repeats=3, seed=2, alpha=alpha)
+                    for c in range(6)]
+        np.testing.assert_allclose(r2, expected, atol=1e-10)
+    with pytest.raises(ValueError, match="fit must be one of ridge, lstsq"):
+        per_channel_r2(feats, target, fit="ols")
 
 
 @pytest.mark.parametrize("bad", [np.zeros((3, 4)), np.full((2, 4, 4), np.nan), np.zeros((2, 1, 2))])

@@ -28,7 +28,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MIN_TRAIN", "TARGETS", "fitted_patches", "layer_fingerprint", "per_channel_r2", "position_targets",
+__all__ = ["MIN_TRAIN", "PER_CHANNEL_FITS", "TARGETS", "fitted_patches", "layer_fingerprint", "per_channel_r2", "position_targets",
            "positional_r2"]
 
 TARGETS = ("x", "y", "diag", "radial", "xy")
@@ -137,13 +137,24 @@ def positional_r2(features, target: str = "xy", fraction: float = 0.025, repeats
     return float(np.mean(scores))
 
 
+PER_CHANNEL_FITS = ("ridge", "lstsq")
+
+
 def per_channel_r2(features, target: str = "xy", fraction: float = 0.025, repeats: int = 10,
-                   seed: int = 0, min_train: int = MIN_TRAIN) -> np.ndarray:
+                   seed: int = 0, min_train: int = MIN_TRAIN, fit: str = "ridge", alpha: float = 1.0) -> np.ndarray:
     """Held-out R² of a one-channel linear fit per channel: the "positional fingerprint", shape (C,).
 
-    Least squares in closed form for every channel at once; multi-output targets average R²
-    over outputs, like :func:`positional_r2` (same ``fraction``/``min_train`` rule).
+    ``fit="ridge"`` (default, as the authors' notebook): the channel standardised on the fitted
+    patches, then ridge regression with penalty ``alpha`` (scikit-learn's ``StandardScaler`` +
+    ``Ridge(alpha)`` on that one channel); ``fit="lstsq"``: plain least squares. Both in closed form
+    for every channel at once; multi-output targets average R² over outputs, like
+    :func:`positional_r2` (same ``fraction``/``min_train`` rule and splits).
     """
+    if fit not in PER_CHANNEL_FITS:
+        raise ValueError(f"fit must be one of {', '.join(PER_CHANNEL_FITS)}, got {fit!r}")
+    if fit == "ridge" and alpha < 0:
+        raise ValueError(f"alpha must be at least 0, got {alpha}")
+    penalty = alpha if fit == "ridge" else 0.0
     feats = _as_feature_batch(features)
     B, C, h, w = feats.shape
     y_all = position_targets((h, w), target)  # (P, K)
@@ -154,11 +165,20 @@ def per_channel_r2(features, target: str = "xy", fraction: float = 0.025, repeat
         x_all = feats[b].reshape(C, h * w).T  # (P, C)
         for train, test in _splits(h * w, n_train, repeats, seed + 7919 * b):
             xt, yt = x_all[train], y_all[train]
-            x_c = xt - xt.mean(0)
+            mean = xt.mean(0)
+            x_c = xt - mean
             var = (x_c ** 2).sum(0)  # (C,)
-            cov = x_c.T @ (yt - yt.mean(0))  # (C, K)
-            slope = np.divide(cov, var[:, None], out=np.zeros_like(cov), where=var[:, None] > 0)
-            intercept = yt.mean(0)[None, :] - slope * xt.mean(0)[:, None]  # (C, K)
+            if penalty:
+                # standardise (StandardScaler: ddof 0, scale 1 for a constant channel): Σz² = n, slope_z = Σz·y / (n + α)
+                std = np.sqrt(var / len(train))
+                scale = np.where(std > 0, std, 1.0)
+                z_c = x_c / scale
+                slope_z = (z_c.T @ (yt - yt.mean(0))) / ((z_c ** 2).sum(0)[:, None] + penalty)  # (C, K)
+                slope = slope_z / scale[:, None]
+            else:
+                cov = x_c.T @ (yt - yt.mean(0))  # (C, K)
+                slope = np.divide(cov, var[:, None], out=np.zeros_like(cov), where=var[:, None] > 0)
+            intercept = yt.mean(0)[None, :] - slope * mean[:, None]  # (C, K)
             pred = x_all[test][:, :, None] * slope[None] + intercept[None]  # (P_test, C, K)
             y_test = y_all[test][:, None, :]
             ss_res = ((y_test - pred) ** 2).sum(0)
