@@ -9,9 +9,16 @@ optimizer state cleared. The number of rounds is ``rounds``; each round gets
 ``trainer.max_epochs / rounds`` epochs (the reference: 12 rounds × 12 epochs, batch 32, 518 px).
 
 Logged every validation epoch: ``val/mse`` (the round's head on the cleaned tokens),
-``val/mse_raw`` (the same head on the tokens with no plane removed), ``val/head_r2`` (1 − MSE /
+``val/mse_raw`` (the same head on the tokens with no plane removed), ``val/mse_own_removed``
+(the same head on the cleaned tokens with its own plane removed too: what the next round starts
+from; near the targets' variance when the plane held what the head used), ``val/head_r2`` (1 − MSE /
 variance of the targets, cleaned tokens), ``val/cosine`` (mean cosine similarity between
-original and cleaned tokens) and ``val/round``; ``train/mse`` and ``train/lr`` every step.
+original and cleaned tokens) and ``val/round``; with labelled validation batches (a segmentation
+datamodule such as :class:`datamodules.rasa.RASADataModule`'s VOC val) also ``val/oc_miou``: the
+OverClustering mIoU (:func:`alibi_vit.analysis.overclustering.overclustering_seeds`, k =
+``oc_k``, one seed, masks at 100×100) of the cleaned features of those batches, by which the
+reference picks its best round (``configs/rasa.yaml`` validates 4 batches at the end of each
+round). ``train/mse`` and ``train/lr`` every step.
 
 When fitting ends with every round done, the folded backbone (:func:`alibi_vit.analysis.rasa.fold_planes`: the timm state_dict
 plus the one matrix ``rasa_projection``) is written to ``EXPORT/rasa_backbone.safetensors``
@@ -21,8 +28,9 @@ metrics of every round to ``EXPORT/rasa_rounds.json``; ``EXPORT`` is ``export_di
 ``<run dir>/rasa``. ``alibi_vit.create_backbone(name, checkpoint=EXPORT/rasa_backbone.safetensors)``
 rebuilds it.
 
-Data: any of the image datamodules (batches of images), or a segmentation datamodule (its
-labels are not used). With ``feature_cache_dir`` and a segmentation datamodule (e.g.
+Data: :class:`datamodules.rasa.RASADataModule` (the reference's VOC train images and augmentations;
+``configs/rasa.yaml``), any of the image datamodules (batches of images), or a segmentation
+datamodule (its labels serve only ``val/oc_miou``). With ``feature_cache_dir`` and a segmentation datamodule (e.g.
 ``COCOStuffSegmentation`` for COCO images, ``VOCSegmentation``) the backbone runs once per image
 and later epochs read float16 features from disk, exactly as the segmentation probe caches them
 (same files, same keys: a probe's cache of the same backbone is reused).
@@ -74,16 +82,21 @@ class RASAModule(L.LightningModule):
             False stacks the head's raw plane as the reference code does.
         feature_cache_dir: cache backbone features on disk (needs a segmentation datamodule).
         export_dir: where the folded backbone and the planes go (default ``<run dir>/rasa``).
+        oc_k: clusters of the per-round OverClustering score (21: VOC's classes; 0 turns it off).
+        oc_num_classes: classes of the validation labels (21 for VOC).
     """
 
     def __init__(self, backbone: str = "vit_small_patch14_reg4_dinov2", backbone_checkpoint: str | None = None,
                  pretrained: bool | None = None, backbone_kwargs: dict | None = None,
                  allow_random_init: bool = False, rounds: int = 12, lr: float = 2e-4, orthogonalize: bool = True,
-                 feature_cache_dir: str | None = None, export_dir: str | None = None):
+                 feature_cache_dir: str | None = None, export_dir: str | None = None, oc_k: int = 21,
+                 oc_num_classes: int = 21):
         super().__init__()
         self.save_hyperparameters()
         if rounds < 1:
             raise ValueError(f"rounds must be at least 1, got {rounds}")
+        if oc_k and oc_k < oc_num_classes:
+            raise ValueError(f"oc_k={oc_k} is fewer than the {oc_num_classes} classes (0 turns the score off)")
         self.backbone = frozen_backbone(backbone, backbone_checkpoint, pretrained, allow_random_init, backbone_kwargs)
         dim = self.backbone.num_features
         self.head = nn.Linear(dim, 2, bias=False)
@@ -92,6 +105,7 @@ class RASAModule(L.LightningModule):
         self.round_history: list[dict] = []
         self.feature_cache = None
         self._val_sums: dict[str, torch.Tensor] = {}
+        self._val_oc: list[tuple] = []
 
     # ---- frozen backbone and features -------------------------------------------------------
 
@@ -125,6 +139,7 @@ class RASAModule(L.LightningModule):
     def _tokens(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         features = self.batch_features(batch)
         B, C, h, w = features.shape
+        self._grid = (h, w)  # the last batch's patch grid (validation reshapes tokens back to maps)
         raw = features.flatten(2).transpose(1, 2)  # (B, N, C)
         clean = remove_planes(raw, self.planes) if self.round else raw
         return raw, clean, position_grid(h, w, raw.device).expand(B, -1, -1)
@@ -202,12 +217,27 @@ class RASAModule(L.LightningModule):
 
     def on_validation_epoch_start(self) -> None:
         self._val_sums = {}
+        self._val_oc = []
+
+    def own_plane(self) -> torch.Tensor:
+        """(1, 2, C) orthonormal basis of the plane the current head's two rows span."""
+        from alibi_vit.analysis.rasa import orthonormal_plane
+
+        return orthonormal_plane(self.head.weight.detach().double(), self.round).to(self.head.weight)[None]
 
     def validation_step(self, batch, batch_idx: int) -> None:
         raw, clean, target = self._tokens(batch)
+        own_removed = remove_planes(clean, self.own_plane())
+        if self.hparams.oc_k and isinstance(batch, dict) and "label" in batch:
+            from alibi_vit.analysis.overclustering import resize_labels_nearest
+
+            h, w = self._grid
+            self._val_oc.append((clean.reshape(clean.shape[0], h, w, -1).half().cpu().numpy(),
+                                 resize_labels_nearest(batch["label"].cpu().numpy(), 100)))
         sums = {
             "sse": (self.predict_position(clean) - target).pow(2).sum(),
             "sse_raw": (self.predict_position(raw) - target).pow(2).sum(),
+            "sse_own": (self.predict_position(own_removed) - target).pow(2).sum(),
             "sst": (target - 0.5).pow(2).sum(),  # the grid targets' mean is exactly 0.5
             "cos": F.cosine_similarity(raw, clean, dim=-1).sum(),
             "tokens": torch.tensor(float(raw.shape[0] * raw.shape[1]), device=raw.device),
@@ -220,7 +250,21 @@ class RASAModule(L.LightningModule):
             return
         s = {k: self.trainer.strategy.reduce(v, reduce_op="sum") for k, v in self._val_sums.items()}
         values = s["tokens"] * 2
-        self.log_dict({"val/mse": (s["sse"] / values).float(), "val/mse_raw": (s["sse_raw"] / values).float(),
+        metrics = {}
+        if self._val_oc:
+            import numpy as np
+
+            from alibi_vit.analysis.overclustering import overclustering_seeds
+
+            features = np.concatenate([f for f, _ in self._val_oc])
+            masks = np.concatenate([m for _, m in self._val_oc])
+            if features.shape[0] * features.shape[1] * features.shape[2] >= self.hparams.oc_k:
+                result = overclustering_seeds(features, masks, self.hparams.oc_k, self.hparams.oc_num_classes,
+                                              seeds=(0,))
+                metrics["val/oc_miou"] = float(result.miou)
+            self._val_oc = []
+        self.log_dict({**metrics, "val/mse": (s["sse"] / values).float(), "val/mse_raw": (s["sse_raw"] / values).float(),
+                       "val/mse_own_removed": (s["sse_own"] / values).float(),
                        "val/head_r2": (1 - s["sse"] / s["sst"].clamp_min(1e-12)).float(),
                        "val/cosine": (s["cos"] / s["tokens"]).float(),
                        "val/round": float(self.round + 1)}, sync_dist=False)

@@ -113,6 +113,44 @@ def test_config_builds_the_reference_recipe(tmp_path):
     assert isinstance(run.model, RASAModule)
     assert (run.model.hparams.rounds, run.model.hparams.lr, run.trainer.max_epochs) == (12, 2e-4, 144)
     assert run.datamodule.batch_size == 32 and run.datamodule.image_size == 518
+    # the reference's data: VOC12 train, random resized crops 25–100 %, flips and 90° rotations, and
+    # 12 epochs of 1,464 // 32 = 45 steps = 540 steps per round; validation once per round, 4 batches
+    from datamodules.rasa import RASADataModule
+
+    dm = run.datamodule
+    assert isinstance(dm, RASADataModule) and dm.dataset == "voc" and dm.train_split == "train"
+    assert dm.augmentation.crop_scale == (0.25, 1.0) and dm.augmentation.flips and dm.augmentation.rotations
+    assert dm.samples_per_epoch is None  # every VOC train image once per epoch
+    assert run.trainer.max_epochs // run.model.hparams.rounds * (1464 // dm.batch_size) == 540
+    assert run.trainer.check_val_every_n_epoch == 12 and run.trainer.limit_val_batches == 4
+    assert run.model.hparams.oc_k == 21
+
+
+def test_rounds_log_overclustering_and_own_plane_mse(tmp_path):
+    import numpy as np
+
+    from alibi_vit.analysis.overclustering import overclustering_seeds, resize_labels_nearest
+    from datamodules.demo_voc import write_demo_voc
+    from datamodules.rasa import RASADataModule
+
+    root = write_demo_voc(tmp_path / "voc", n_train=4, n_val=3)
+    L.seed_everything(0)
+    module = RASAModule(backbone="vit_small_patch14_reg4_dinov2", backbone_kwargs=KWARGS, allow_random_init=True,
+                        rounds=1, lr=5e-2, export_dir=str(tmp_path / "export"))
+    dm = RASADataModule(str(root), image_size=56, batch_size=2, num_workers=0)
+    _trainer(tmp_path, max_epochs=1).fit(module, datamodule=dm)
+    (history,) = module.round_history
+    # the round's head with its own plane removed predicts sigmoid(0) = 0.5 everywhere: MSE = mean (t − 0.5)²
+    grid = position_grid(4, 4)
+    assert history["val/mse_own_removed"] == pytest.approx(float((grid - 0.5).pow(2).mean()), abs=1e-5)
+    # OverClustering of round 1 (no plane removed yet) on every validation image, k = 21, seed 0
+    batches = list(dm.val_dataloader())
+    with torch.no_grad():
+        feats = torch.cat([patch_features(module.backbone, b["image"]) for b in batches])
+    masks = resize_labels_nearest(torch.cat([b["label"] for b in batches]).numpy(), 100)
+    expected = overclustering_seeds(feats.permute(0, 2, 3, 1).half().numpy(), masks, 21, 21, seeds=(0,))
+    assert history["val/oc_miou"] == pytest.approx(expected.miou, abs=1e-6)
+    assert 0 < history["val/oc_miou"] <= 1 and np.isfinite(history["val/oc_miou"])
 
 
 @pytest.mark.filterwarnings("ignore:.*does not have many workers")
