@@ -45,10 +45,14 @@ __all__ = ["DistillationModule", "KNOWN_BLANK_CHANNELS", "build_student", "cosin
 # target (README.md "Method" §4), with the architecture they were measured on.
 KNOWN_BLANK_CHANNELS = {
     "vit_small_patch14_reg4_dinov2": {"channels": (47, 113, 117, 359), "embed_dim": 384, "depth": 12},
+    # the channels the authors blank for their ALiBi DINOv3 ViT-S+/16 student
+    "vit_small_plus_patch16_dinov3": {"channels": (74, 123, 149, 267), "embed_dim": 384, "depth": 12},
 }
 
-# Parameters an ALiBi student may have that no DINOv2 teacher has: learned slopes (README.md "Method" §2).
-_STUDENT_ONLY_KEYS = re.compile(r"^blocks\.\d+\.attn\.m$")
+# Parameters an ALiBi student may have that its teacher lacks: learned slopes (README.md "Method" §2) and the
+# query/value biases of a DINOv3 student built with qkv_bias=True (the authors' S+ student trains them; they
+# start at zero, so the student starts as the teacher).
+_STUDENT_ONLY_KEYS = re.compile(r"^blocks\.\d+\.attn\.(m|q_bias|v_bias)$")
 # Keys never copied from the teacher: the student's position embedding stays zero.
 _NOT_FROM_TEACHER = ("pos_embed",)
 
@@ -167,7 +171,8 @@ class DistillationModule(LightningModule):
             stage 1's) or a plain timm state_dict (``.safetensors``/``.pth``) of the student.
         blank_channels: target channels set to zero, the teacher's most positional ones. ``None``
             (default): the known list of the teacher's published weights, which exists only for
-            ``vit_small_patch14_reg4_dinov2`` (47, 113, 117, 359; README.md "Method" §4); any
+            ``vit_small_patch14_reg4_dinov2`` (47, 113, 117, 359; README.md "Method" §4) and
+            ``vit_small_plus_patch16_dinov3`` (74, 123, 149, 267, the authors' list); any
             other teacher, a changed architecture or a randomly initialised teacher needs an
             explicit list (rank channels with ``alibi-vit channels``). ``[]``: no
             blanking. A known list given for another teacher is an error.

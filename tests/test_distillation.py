@@ -367,3 +367,27 @@ def test_benchmark_without_gpu_exits_with_message():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_distill_throughput.py")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no CUDA device" in proc.stderr
+
+
+def test_dinov3_config_blanks_the_authors_channels_and_trains_query_value_biases(tmp_path):
+    import yaml
+
+    from lit_modules.cli import cli
+
+    config = ROOT / "configs" / "alibi_dv3.yaml"
+    init = yaml.safe_load(config.read_text())["model"]["init_args"]
+    assert init["blank_channels"] == [74, 123, 149, 267] and init["student_kwargs"]["qkv_bias"] is True
+    assert yaml.safe_load((ROOT / "configs" / "alibi_dv3_512.yaml").read_text())["model"]["init_args"][
+        "blank_channels"] == [74, 123, 149, 267]
+    assert KNOWN_BLANK_CHANNELS["vit_small_plus_patch16_dinov3"]["channels"] == (74, 123, 149, 267)
+    # the config builds (tiny, random-init teacher): the student has q/v biases, zero at the start, trained
+    run = cli(["--config", str(config), f"--run_dir={tmp_path}", "--data.root=/nonexistent",
+               "--trainer.accelerator=cpu", "--model.teacher_pretrained=false", "--model.blank_channels=[1, 2]",
+               "--model.model_kwargs={depth: 1, embed_dim: 48, num_heads: 2}",
+               "--model.student_kwargs={slopes: constant, backend: sdpa, qkv_bias: true}"], run=False)
+    student = run.model.student
+    q_bias = student.blocks[0].attn.q_bias
+    assert q_bias is not None and q_bias.requires_grad and torch.count_nonzero(q_bias) == 0
+    optimizer = run.model.configure_optimizers()  # the config: constant lr, no warmup → the optimizer alone
+    trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert id(q_bias) in trained and id(student.blocks[0].attn.v_bias) in trained

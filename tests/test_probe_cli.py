@@ -124,7 +124,7 @@ def test_paper_table_runs_what_it_can_and_skips_the_rest(tmp_path, capsys, monke
         else:
             torch.save(release, folder / "snapshots" / "abc123" / filename)
     out = tmp_path / "paper.csv"
-    common = ["--images", "noise", "--noise-count", "2", "--size", "112", "--repeats", "2", "--fraction", "0.3"]
+    common = ["--images", "noise", "--noise-count", "2", "--size", "112"]
     assert main(["probe", "--paper-table", *TINY_ARGS, *common, "--out", str(out)]) == 0
     rows = {r["row"]: r for r in read_rows(out)}
     assert list(rows) == ["DINOv2-S", "DINOv2-S blanked", "DINOv2-B", "DINOv3-S+", "NoPE", "ALiBi-Dv2", "ALiBi-Dv3",
@@ -138,15 +138,39 @@ def test_paper_table_runs_what_it_can_and_skips_the_rest(tmp_path, capsys, monke
     assert (rows["DINOv2-S"]["paper_micrographs"], rows["ALiBi-Dv2"]["paper_noise"]) == ("0.83", "-0.85")
     printed = capsys.readouterr().out
     assert "skipped" in printed and "DINOv2-B (vit_base_patch14_reg4_dinov2)" in printed
+    # the labels say what compares with what: noise images ↔ the paper's noise column, held-out vs fitted R²
+    assert "*noise" in printed and "held-out R²" in printed and "47, 117, 359" in printed
+    assert rows["DINOv2-S"]["compare_with"] == "paper_noise" and rows["DINOv2-S"]["repeats"] == "6"
+    # 8×8 patches at 112 px: (h·w)//36 = 1, raised to the 2 a fit needs
+    assert rows["DINOv2-S"]["fitted_patches"] == "2" and rows["DINOv2-S"]["size"] == "112×112"
 
-    # The DINOv2-S row is what the plain probe reports for the same weights and images.
+    # The DINOv2-S row is what the plain probe reports for the same weights and images with the same fit
+    # (2 patches, 6 repeats).
     ckpt = tmp_path / "dinov2_tiny.pth"
     torch.save(dinov2, ckpt)
     plain = tmp_path / "plain.csv"
     assert main(["probe", "--model", "vit_small_patch14_reg4_dinov2", "--checkpoint", str(ckpt),
                  "--model-arg", "dynamic_img_size=True", *TINY_ARGS, *common, "--targets", "xy",
-                 "--out", str(plain)]) == 0
+                 "--repeats", "6", "--fraction", "0.03", "--min-train", "0", "--out", str(plain)]) == 0
     assert float(read_rows(plain)[0]["xy"]) == pytest.approx(float(rows["DINOv2-S"]["xy"]), abs=1e-6)
+
+    # Without --size: the reference's sizes: noise at 518 px for patch-14 models, (h·w)//36 = 38 patches fitted
+    ref = tmp_path / "reference.csv"
+    assert main(["probe", "--paper-table", *TINY_ARGS, "--images", "noise", "--noise-count", "2",
+                 "--out", str(ref)]) == 0
+    row = {r["row"]: r for r in read_rows(ref)}["DINOv2-S"]
+    assert (row["size"], row["fitted_patches"]) == ("518×518", "38")
+    from alibi_vit import patch_features
+    from alibi_vit.analysis.probe import positional_r2
+    from alibi_vit.images import noise_images, normalize
+
+    model = create_backbone("vit_small_patch14_reg4_dinov2", checkpoint=ckpt, dynamic_img_size=True,
+                            **arch).eval()
+    images = torch.stack([normalize(img) for _, img in noise_images(2, 518, 0)])
+    with torch.no_grad():
+        feats = patch_features(model, images)
+    expected = positional_r2(feats, "xy", repeats=6, n_train=38)  # both images, 6 repeats each, seeded alike
+    assert float(row["xy"]) == pytest.approx(expected, abs=1e-6)
 
 
 def test_paper_table_bad_input(tmp_path, capsys):

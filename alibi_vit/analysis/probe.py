@@ -28,7 +28,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MIN_TRAIN", "PER_CHANNEL_FITS", "TARGETS", "fitted_patches", "layer_fingerprint", "per_channel_r2", "position_targets",
+__all__ = ["MIN_TRAIN", "PER_CHANNEL_FITS", "TARGETS", "fitted_patches", "reference_fitted_patches", "layer_fingerprint", "per_channel_r2", "position_targets",
            "positional_r2"]
 
 TARGETS = ("x", "y", "diag", "radial", "xy")
@@ -84,6 +84,11 @@ def fitted_patches(num_patches: int, fraction: float, min_train: int = MIN_TRAIN
     return min(max(2, n), num_patches - 2)  # R² is undefined on fewer than two patches
 
 
+def reference_fitted_patches(num_patches: int) -> int:
+    """Patches the paper's reference code fits on: (h·w)//36 (38 of a 37×37 grid), at least 2, leaving 2 to score."""
+    return min(max(2, num_patches // 36), num_patches - 2)
+
+
 def _fit_note(num_patches: int, fraction: float, min_train: int) -> int:
     n = fitted_patches(num_patches, fraction, min_train)
     if n > round(fraction * num_patches):
@@ -106,7 +111,7 @@ def _splits(num_patches: int, n_train: int, repeats: int, seed: int):
 
 
 def positional_r2(features, target: str = "xy", fraction: float = 0.025, repeats: int = 10, seed: int = 0,
-                  alpha: float = 1.0, min_train: int = MIN_TRAIN) -> float:
+                  alpha: float = 1.0, min_train: int = MIN_TRAIN, n_train: int | None = None) -> float:
     """Held-out R² of a ridge probe from all channels to ``target``, averaged over repeats and images.
 
     Args:
@@ -117,6 +122,8 @@ def positional_r2(features, target: str = "xy", fraction: float = 0.025, repeats
         alpha: ridge penalty on the standardised features.
         min_train: fit on at least this many patches (at most half the grid); raising the
             fraction to reach it warns. 0 keeps ``fraction`` as given.
+        n_train: fit on exactly this many patches instead of ``fraction``/``min_train`` (at least 2,
+            leaving at least 2 to score); the paper's reference code fits (h·w)//36.
     """
     from sklearn.linear_model import Ridge
     from sklearn.metrics import r2_score
@@ -126,7 +133,10 @@ def positional_r2(features, target: str = "xy", fraction: float = 0.025, repeats
     feats = _as_feature_batch(features)
     B, C, h, w = feats.shape
     y_all = position_targets((h, w), target)
-    n_train = _fit_note(h * w, fraction, min_train)
+    if n_train is None:
+        n_train = _fit_note(h * w, fraction, min_train)
+    else:
+        n_train = min(max(2, int(n_train)), h * w - 2)
     scores = []
     for b in range(B):
         x_all = feats[b].reshape(C, h * w).T

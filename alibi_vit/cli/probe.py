@@ -15,6 +15,14 @@ DINOv2-S blanked, DINOv2-B, DINOv3-S+, NoPE, ALiBi-Dv2, ALiBi-Dv3, transform-ave
 and uniform noise (README.md "Method" §5). Each model loads its own pretrained weights (timm's
 hub or cache, or ``--checkpoint NAME=PATH`` with the row's model name); a model whose weights
 cannot be had, or that cannot be built, is listed as skipped with the reason.
+
+The paper table probes as the reference code does: noise at 518 px (512 px for patch-16 models
+such as DINOv3), other images at their native size (centre-cropped to a multiple of the patch
+size, not resized), fitting (h·w)//36 patches, 6 repeats per image; ``--size N`` resizes
+everything to N px instead (``--fraction``, ``--min-train`` and ``--repeats`` do not apply). The
+score stays held-out R² (the reference also scored the fitted patches, which flatters the fit),
+so the table's own column is not the paper's score: the paper column of the same image kind
+(``--paper-set``, guessed from ``--images``) is the one the settings match.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from ..analysis.probe import MIN_TRAIN, TARGETS, fitted_patches
 # micrographs / textures / uniform noise, or None where README.md "Method" §5 gives none).
 PAPER_ROWS = (
     ("DINOv2-S", "vit_small_patch14_reg4_dinov2", (0.83, 0.71, 0.89)),
-    ("DINOv2-S blanked", "blanked_vit_small_patch14_reg4_dinov2", (0.78, 0.67, 0.89)),
+    ("DINOv2-S blanked", "blanked_vit_small_patch14_reg4_dinov2", (0.78, 0.67, 0.89)),  # blanks PAPER_BLANKED
     ("DINOv2-B", "vit_base_patch14_reg4_dinov2", (0.68, 0.58, 0.89)),
     ("DINOv3-S+", "vit_small_plus_patch16_dinov3", (0.97, 0.90, 0.98)),
     ("NoPE", "nope_vit_small_patch14_reg4_dinov2.dinosaw_coco", None),
@@ -38,6 +46,16 @@ PAPER_ROWS = (
     ("sin-cos", "sincos_vit_small_patch14_reg4_dinov2", None),
 )
 PAPER_SETS = ("micrographs", "textures", "noise")
+# The channels the authors' wrapper blanks for the "DINOv2-S blanked" row (three of the four distillation
+# targets blank: 113 is left in).
+PAPER_BLANKED = (47, 117, 359)
+PAPER_REPEATS = 6  # the reference's samplings per image; it fits (h·w)//36 patches
+PAPER_NOISE_SIZE = {14: 518, 16: 512}  # noise images per patch size
+
+
+def paper_set_of(images: str) -> str:
+    """The paper column the image set compares with: noise, textures, else micrographs."""
+    return images if images in ("noise", "textures") else "micrographs"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +70,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "NAME=PATH per model) and print their (x, y) R² beside the paper's; models without "
                              "weights are skipped with the reason (offline, HF_HUB_OFFLINE=1 skips without retries)")
     add_image_arguments(parser, default_size=224)
+    for action in parser._actions:  # None: 224, or with --paper-table the reference's sizes
+        if action.dest == "size":
+            action.default = None
+            action.help = ("images are resized and centre-cropped to SIZE px (default 224); with --paper-table the "
+                           "default is the reference's: noise at 518 px, 512 for patch-16 models, other images at "
+                           "native size")
+    parser.add_argument("--paper-set", choices=PAPER_SETS, default=None,
+                        help="--paper-table: the paper column these images compare with (default: noise for noise, "
+                             "textures for textures, else micrographs)")
     parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
     parser.add_argument("--fraction", type=float, default=0.025, help="share of patches the probe is fitted on")
     parser.add_argument("--min-train", type=int, default=MIN_TRAIN,
@@ -79,9 +106,11 @@ def run(args) -> int:
     from ..images import normalize
     from .options import build_models, check_image_size, images_from_args, model_features, weights_of, write_csv
 
-    check_image_size(args.size)
     if args.paper_table:
         return run_paper_table(args)
+    if args.size is None:
+        args.size = 224
+    check_image_size(args.size)
     if not args.models:
         raise ValueError("give --model NAME [NAME ...], or --paper-table")
     if args.plot:
@@ -134,24 +163,64 @@ def run(args) -> int:
     return 0
 
 
+def _crop_to_patch(image, patch: int):
+    """Centre crop (3, H, W) to the largest multiple of ``patch`` in each direction (no resizing)."""
+    H, W = image.shape[-2:]
+    h, w = H // patch * patch, W // patch * patch
+    if not (h and w):
+        raise ValueError(f"an image of {H}×{W} px is smaller than one {patch}-px patch")
+    top, left = (H - h) // 2, (W - w) // 2
+    return image[..., top:top + h, left:left + w]
+
+
+def paper_images(args, patch: int, cache: dict) -> list:
+    """The normalised images one model of the paper table sees: ``--size`` px, or the reference's sizes."""
+    from ..images import load_image_set, normalize, noise_images
+
+    key = patch if args.size is None else "fixed"
+    if key not in cache:
+        if args.size is not None:
+            named = load_image_set(args.images, args.size, args.noise_count, args.seed, args.intensity)
+        elif args.images == "noise":
+            named = noise_images(args.noise_count, PAPER_NOISE_SIZE.get(patch, 518), args.seed)
+        else:
+            named = [(n, _crop_to_patch(img, patch))
+                     for n, img in load_image_set(args.images, None, args.noise_count, args.seed, args.intensity)]
+        cache[key] = [normalize(img) for _, img in named]
+    return cache[key]
+
+
+def paper_r2(feats: list, seed: int) -> tuple[float, int]:
+    """(x, y) held-out R² with the reference's fit: (h·w)//36 patches, 6 repeats per image, averaged over images
+    (image b seeded as :func:`positional_r2` seeds it), and the patches fitted on the first image."""
+    import numpy as np
+
+    from ..analysis.probe import positional_r2, reference_fitted_patches
+
+    scores, fitted = [], None
+    for b, f in enumerate(feats):
+        n = reference_fitted_patches(f.shape[-2] * f.shape[-1])
+        fitted = n if fitted is None else fitted
+        scores.append(positional_r2(f, "xy", repeats=PAPER_REPEATS, seed=seed + 7919 * b, n_train=n))
+    return float(np.mean(scores)), fitted
+
+
 def run_paper_table(args) -> int:
     """``--paper-table``: the (x, y) R² of every :data:`PAPER_ROWS` model that can be built, beside the paper's."""
-    import warnings
-
-    from ..analysis.probe import positional_r2
     from ..features import patch_features
-    from ..images import normalize
     from ..models.checkpoint import create_backbone
-    from .options import checkpoints_by_model, images_from_args, parse_model_args, write_csv
+    from .options import check_image_size, checkpoints_by_model, parse_model_args, write_csv
 
     if args.models:
         raise ValueError("--paper-table runs its own models; drop --model (use --checkpoint NAME=PATH for their "
                          "weights, NAME one of: " + ", ".join(name for _, name, _ in PAPER_ROWS) + ")")
     if args.per_layer or args.plot:
         raise ValueError("--paper-table reports the final feature map only; drop --per-layer/--plot")
-    if args.size % 14 or args.size % 16:
-        raise ValueError(f"--paper-table runs patch-14 and patch-16 models: --size must be a multiple of 112 "
-                         f"(e.g. 224, 448), got {args.size}")
+    if args.size is not None:
+        check_image_size(args.size)
+        if args.size % 14 or args.size % 16:
+            raise ValueError(f"--paper-table runs patch-14 and patch-16 models: --size must be a multiple of 112 "
+                             f"(e.g. 224, 448), got {args.size}")
     import torch
 
     names = [name for _, name, _ in PAPER_ROWS]
@@ -159,29 +228,35 @@ def run_paper_table(args) -> int:
     model_kwargs = parse_model_args(args.model_arg)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    images = torch.stack([normalize(img) for _, img in images_from_args(args)])
+    compare = args.paper_set or paper_set_of(args.images)
+    cache: dict = {}
+    paper_images(args, 14, cache)  # a bad --images fails before any model is built
     rows = []
     for label, name, paper in PAPER_ROWS:
         row = {"row": label, "model": name, "weights": checkpoints.get(name, "pretrained"), "xy": None,
                **{f"paper_{s}": (None if paper is None else value) for s, value in
-                  zip(PAPER_SETS, paper or (None,) * 3)}, "skipped": ""}
+                  zip(PAPER_SETS, paper or (None,) * 3)}, "compare_with": f"paper_{compare}",
+               "size": None, "fitted_patches": None, "repeats": PAPER_REPEATS, "skipped": ""}
         rows.append(row)
+        extra = {"channels": list(PAPER_BLANKED)} if name.startswith("blanked_") else {}
         try:
             model = create_backbone(name, pretrained=name not in checkpoints, checkpoint=checkpoints.get(name),
-                                    **model_kwargs)
+                                    **extra, **model_kwargs)
         except (OSError, ValueError) as err:  # weights not on this machine / not reachable, or not buildable
             row["skipped"] = _one_line(err)
             continue
         model = model.to(device).eval()
+        patch = model.patch_embed.patch_size[0]
+        images = paper_images(args, patch, cache)
+        sizes = sorted({tuple(img.shape[-2:]) for img in images})
+        row["size"] = "×".join(map(str, sizes[0])) if len(sizes) == 1 else "native"
         with torch.no_grad():
-            feats = torch.cat([patch_features(model, images[i:i + args.batch_size].to(device)).float().cpu()
-                               for i in range(0, len(images), args.batch_size)])
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="positional probe:")
-            row["xy"] = positional_r2(feats, "xy", args.fraction, args.repeats, args.seed, min_train=args.min_train)
+            feats = [patch_features(model, img[None].to(device)).float().cpu() for img in images]
+        row["xy"], row["fitted_patches"] = paper_r2(feats, args.seed)
         del model
-    _print_paper_table(rows, args, len(images))
-    write_csv(args.out, [{**r, "images": args.images, "num_images": len(images), "size": args.size} for r in rows])
+    _print_paper_table(rows, args, len(cache[next(iter(cache))]), compare)
+    write_csv(args.out, [{**r, "images": args.images, "num_images": len(cache[next(iter(cache))]),
+                          "score": "held-out R² (paper: R² with the fitted patches scored too)"} for r in rows])
     print(f"wrote {args.out}")
     return 0
 
@@ -193,26 +268,35 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[:300]}"
 
 
-def _print_paper_table(rows, args, num_images):
+def _print_paper_table(rows, args, num_images, compare: str):
     def num(v):
         return f"{v:7.2f}" if v is not None else f"{'—':>7}"
 
     label_w = max(len(r["row"]) for r in rows)
-    print(f"positional R² (x, y), held-out, on {args.images}: {num_images} images at {args.size} px; "
-          f"the paper's on micrographs / textures / uniform noise beside it")
-    header = f"{'row':<{label_w}}  {'xy R²':>7}  {'paper:':>7} {'micro':>7} {'texture':>7} {'noise':>7}  weights"
+    how = f"{args.size} px" if args.size is not None else "the reference's sizes (noise 518/512 px, images native)"
+    print(f"positional R² (x, y) on {args.images}: {num_images} images at {how}; fitted (h·w)//36 patches, "
+          f"{PAPER_REPEATS} repeats per image, as the reference code")
+    print(f"ours = held-out R² (scored on the patches not fitted); paper = Tab. 1–2, whose R² also scores the "
+          f"fitted patches. These images compare with the paper's {compare} column (marked *); scoring the fitted "
+          f"patches too usually gives a higher R².")
+    cols = {s: ("*" if s == compare else "") + {"micrographs": "micro", "textures": "texture", "noise": "noise"}[s]
+            for s in PAPER_SETS}
+    header = (f"{'row':<{label_w}}  {'ours':>7}  {'paper:':>7} " + " ".join(f"{cols[s]:>7}" for s in PAPER_SETS)
+              + "  size      weights")
     print(header)
     print("-" * len(header))
     for r in rows:
         measured = f"{r['xy']:7.3f}" if r["xy"] is not None else f"{'skipped':>7}"
         paper = " ".join(num(r[f"paper_{s}"]) for s in PAPER_SETS)
-        print(f"{r['row']:<{label_w}}  {measured}  {'':>7} {paper}  {r['weights'] if not r['skipped'] else ''}")
+        print(f"{r['row']:<{label_w}}  {measured}  {'':>7} {paper}  {(r['size'] or ''):<9} "
+              f"{r['weights'] if not r['skipped'] else ''}")
     skipped = [r for r in rows if r["skipped"]]
     if skipped:
         print("skipped (give --checkpoint NAME=PATH, or go online / fill the hub cache):")
         for r in skipped:
             print(f"  {r['row']} ({r['model']}): {r['skipped']}")
-    print("— : the paper gives no number for this row")
+    print(f"— : the paper gives no number for this row; DINOv2-S blanked zeroes channels "
+          f"{', '.join(map(str, PAPER_BLANKED))}, as the authors' wrapper")
 
 
 def _print_table(rows, targets, fraction):
