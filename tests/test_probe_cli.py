@@ -181,3 +181,29 @@ def test_paper_table_bad_input(tmp_path, capsys):
     assert "multiple of 112" in capsys.readouterr().err
     assert main(["probe", "--size", "56", *args]) == 2
     assert "--paper-table" in capsys.readouterr().err
+
+
+def test_paper_table_images_at_the_reference_sizes(tmp_path):
+    """--paper-table without --size: noise at 518 px (512 for patch 16), other images native, centre-cropped."""
+    import argparse
+
+    import torch
+    from PIL import Image
+
+    from alibi_vit.cli.probe import paper_images, paper_set_of
+    from alibi_vit.images import load_image, normalize
+
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "micro"
+    folder.mkdir()
+    Image.fromarray(rng.integers(0, 255, (45, 60, 3), dtype=np.uint8)).save(folder / "a.png")
+    args = argparse.Namespace(images=str(folder), size=None, noise_count=2, seed=0, intensity="auto")
+    (img,) = paper_images(args, 14, {})
+    # 45×60 → 42×56: the central crop of the native pixels, not resized
+    torch.testing.assert_close(img, normalize(load_image(folder / "a.png"))[:, 1:43, 2:58])
+    assert [tuple(i.shape[-2:]) for i in paper_images(args, 16, {})] == [(32, 48)]
+    noise = argparse.Namespace(**{**vars(args), "images": "noise"})
+    assert {tuple(i.shape[-2:]) for i in paper_images(noise, 14, {})} == {(518, 518)}
+    assert {tuple(i.shape[-2:]) for i in paper_images(noise, 16, {})} == {(512, 512)}
+    assert (paper_set_of("noise"), paper_set_of("textures"), paper_set_of(str(folder))) == \
+        ("noise", "textures", "micrographs")
