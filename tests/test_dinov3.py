@@ -36,6 +36,14 @@ def test_architecture_matches_timm_dinov3(size):
     assert theirs.rope is not None and ours.rope is None
 
 
+def test_huge_plus_matches_timm_dinov3():
+    # DINOv3 H+/16 (timm's vit_huge_plus_patch16_dinov3), two of its 32 blocks to keep the test light
+    ours = timm.create_model("alibi_vit_huge_plus_patch16_dinov3", depth=2)
+    theirs = timm.create_model("vit_huge_plus_patch16_dinov3", depth=2)
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in theirs.state_dict().items()}
+    assert ours.embed_dim == 1280 and ours.blocks[0].attn.num_heads == 20 and ours.rope is None
+
+
 @pytest.mark.parametrize("shift", [(1, 0), (2, 3), (-1, 4)])
 def test_wrapped_alibi_dinov3_is_exactly_roll_equivariant(shift):
     model = tiny_model(ALIBI_SPLUS)

@@ -1,6 +1,6 @@
 """ALiBi and NoPE DINOv3: timm's DINOv3 ViTs (``vit_*_patch16_dinov3``, an ``Eva``) with RoPE off.
 
-``alibi_vit_{small,small_plus,base,large}_patch16_dinov3`` add the 2D bias of README.md "Method"
+``alibi_vit_{small,small_plus,base,large,huge_plus}_patch16_dinov3`` add the 2D bias of README.md "Method"
 §2 in every attention layer (the same :class:`~alibi_vit.models.attention.PositionBias` path as the
 DINOv2 models, every backend); ``nope_vit_*_patch16_dinov3`` have no position at all. The prefix
 is CLS + 4 storage tokens (5 tokens), the patch size 16, and any image size that is a multiple
@@ -45,6 +45,7 @@ _DINOV3_ARCHS = {
     "small_plus": dict(embed_dim=384, depth=12, num_heads=6, swiglu_mlp=True, swiglu_align_to=8),
     "base": dict(embed_dim=768, depth=12, num_heads=12),
     "large": dict(embed_dim=1024, depth=24, num_heads=16),
+    "huge_plus": dict(embed_dim=1280, depth=32, num_heads=20, swiglu_mlp=True, swiglu_align_to=8),
 }
 assert tuple(_DINOV3_ARCHS) == DINOV3_SIZES
 

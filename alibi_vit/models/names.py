@@ -10,7 +10,7 @@ __all__ = ["BASELINE_NAMES", "DINOV2_NAMES", "DINOV2_SIZES", "DINOV3_NAMES", "DI
            "RELEASES", "RELEASE_HUB_ID"]
 
 DINOV2_SIZES = ("small", "base", "large", "giant")  # timm's vit_{size}_patch14_reg4_dinov2
-DINOV3_SIZES = ("small", "small_plus", "base", "large")  # timm's vit_{size}_patch16_dinov3
+DINOV3_SIZES = ("small", "small_plus", "base", "large", "huge_plus")  # timm's vit_{size}_patch16_dinov3
 
 DINOV2_NAMES = tuple(f"{p}_vit_{s}_patch14_reg4_dinov2" for p in ("alibi", "nope") for s in DINOV2_SIZES)
 DINOV3_NAMES = tuple(f"{p}_vit_{s}_patch16_dinov3" for p in ("alibi", "nope") for s in DINOV3_SIZES)

@@ -139,7 +139,7 @@ for _position in ("alibi", "nope"):
                   f"DINOv2 ViT-{_size[0].upper()}/14 with 4 registers and {_what(_position)}.")
     for _size in DINOV3_SIZES:
         _name = f"{_position}_vit_{_size}_patch16_dinov3"
-        _label = {"small": "S", "small_plus": "S+", "base": "B", "large": "L"}[_size]
+        _label = {"small": "S", "small_plus": "S+", "base": "B", "large": "L", "huge_plus": "H+"}[_size]
         _register(_name, partial(_create_dinov3, _name, _size, _position),
                   f"DINOv3 ViT-{_label}/16 with 4 storage tokens, RoPE off and {_what(_position)}.")
 for _name, _doc in zip(BASELINE_NAMES, (
