@@ -143,6 +143,15 @@ def test_slope_schemes():
     assert not any(k.endswith("attn.m") for k in constant.state_dict())
     geometric = tiny_model(slopes="geometric", num_heads=4, dtype=torch.float32)
     torch.testing.assert_close(geometric.blocks[0].attn.m.view(-1), torch.tensor([2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8]))
+    # learned_random: trainable, starting uniform in [0, 1) as the authors' learned slopes (torch.rand), seeded
+    rand_a = tiny_model(slopes="learned_random", num_heads=4, dtype=torch.float32, seed=3)
+    rand_b = tiny_model(slopes="learned_random", num_heads=4, dtype=torch.float32, seed=3)
+    m = rand_a.blocks[0].attn.m
+    assert m.requires_grad and m.shape == (4, 1, 1) and ((m >= 0) & (m < 1)).all() and m.unique().numel() == 4
+    torch.testing.assert_close(rand_b.blocks[0].attn.m, m)
+    assert not torch.equal(rand_a.blocks[1].attn.m, m)  # every layer draws its own
+    assert not torch.equal(tiny_model(slopes="learned_random", num_heads=4, dtype=torch.float32, seed=4)
+                           .blocks[0].attn.m, m)
     with pytest.raises(ValueError, match="slope scheme"):
         tiny_model(slopes="random")
     with pytest.raises(ValueError, match="backend"):

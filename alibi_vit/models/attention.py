@@ -20,7 +20,7 @@ from kernels import alibi_attention
 from kernels.alibi_bias import check_metric, patch_distances
 from kernels.attention import BACKENDS
 
-SLOPE_SCHEMES = ("constant", "learned", "geometric")
+SLOPE_SCHEMES = ("constant", "learned", "learned_random", "geometric")
 # The keyword arguments of configure_position (and of convert_to_alibi): how position enters the attention.
 POSITION_KWARGS = ("slopes", "wrap", "normalize", "jitter", "jitter_seed", "backend", "metric")
 
@@ -50,7 +50,11 @@ def hand_over_patch_grid(model) -> None:
 
 
 def initial_slopes(scheme: str, num_heads: int) -> torch.Tensor:
-    """Per-head slopes, shape (heads, 1, 1): ones, or ALiBi's geometric 2^(-8(h+1)/H)."""
+    """Per-head slopes, shape (heads, 1, 1): ones (``constant``, ``learned``), uniform random in [0, 1) from
+    torch's global RNG (``learned_random``, as the authors' learned slopes start), or ALiBi's geometric
+    2^(-8(h+1)/H)."""
+    if scheme == "learned_random":
+        return torch.rand(num_heads).view(-1, 1, 1)
     if scheme == "geometric":
         return torch.tensor([2.0 ** (-8.0 * (h + 1) / num_heads) for h in range(num_heads)]).view(-1, 1, 1)
     return torch.ones(num_heads, 1, 1)
@@ -88,7 +92,7 @@ class PositionBias:
         self._parameters.pop("m", None)
         self._buffers.pop("m", None)
         m = initial_slopes(slopes, self.num_heads).to(self.proj.weight.device)
-        if slopes == "learned":
+        if slopes in ("learned", "learned_random"):
             self.m = nn.Parameter(m)
         else:
             self.register_buffer("m", m, persistent=False)

@@ -113,7 +113,8 @@ def convert_to_alibi(model: VisionTransformer, *, slopes: str = "constant", wrap
 
     Args:
         slopes: ``"constant"`` (m_h = 1, the paper's choice), ``"learned"`` (a trainable
-            ``blocks.i.attn.m`` of shape (heads, 1, 1), initialised to 1) or ``"geometric"``.
+            ``blocks.i.attn.m`` of shape (heads, 1, 1), initialised to 1), ``"learned_random"``
+            (the same, initialised uniform in [0, 1) as the authors' learned slopes) or ``"geometric"``.
         wrap: toroidal distances; the model is then exactly equivariant to rolling the image
             by whole patches.
         normalize: divide distances by the grid's largest, so one model serves every resolution.
