@@ -93,7 +93,7 @@ def test_per_ramp_ranking_finds_a_radial_channel_that_xy_misses():
     # channel 3: distance from the centre; 7: x; 8: y; the rest noise. Radial is symmetric about the centre,
     # so a linear fit of x or y from it explains nothing, and the joint (x, y) ranking puts it among the noise.
     rng = np.random.default_rng(0)
-    h = w = 12
+    h = w = 13  # odd: the radial ramp is centred on the middle patch, symmetric in x and y
     feats = rng.normal(size=(3, 16, h, w))
     for c, target in ((3, "radial"), (7, "x"), (8, "y")):
         feats[:, c] = 4 * position_targets((h, w), target)[:, 0].reshape(h, w) + 0.05 * feats[:, c]

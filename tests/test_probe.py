@@ -17,9 +17,16 @@ from alibi_vit.analysis.probe import MIN_TRAIN, fitted_patches, layer_fingerprin
 def test_targets_by_hand():
     np.testing.assert_allclose(position_targets((2, 3), "x")[:, 0], [0, 0.5, 1, 0, 0.5, 1])
     np.testing.assert_allclose(position_targets((2, 3), "y")[:, 0], [0, 0, 0, 1, 1, 1])
-    np.testing.assert_allclose(position_targets((2, 3), "diag")[:, 0], [0, 0.25, 0.5, 0.5, 0.75, 1])
+    # the reference's ramps: diag on one scale linspace(0, 1, max(h, w)) for both sides
+    np.testing.assert_allclose(position_targets((2, 3), "diag")[:, 0], [0, 0.25, 0.5, 0.25, 0.5, 0.75])
+    np.testing.assert_allclose(position_targets((3, 3), "diag")[:, 0], [0, .25, .5, .25, .5, .75, .5, .75, 1])
+    # radial: 1 − r / max r from patch (h // 2, w // 2)
     radial = position_targets((3, 3), "radial")[:, 0]
-    assert radial[4] == 0 and radial.max() == pytest.approx(1.0) and radial[1] == pytest.approx(np.sqrt(0.5) ** -1 * 0.5)
+    np.testing.assert_allclose(radial, 1 - np.array([2, 1, 2, 1, 0, 1, 2, 1, 2]) ** 0.5 / 2 ** 0.5)
+    even = position_targets((4, 4), "radial")[:, 0].reshape(4, 4)  # centre patch (2, 2); farthest (0, 0)
+    assert even[2, 2] == 1 and even[0, 0] == 0 and even[3, 3] == pytest.approx(1 - 2 ** 0.5 / 8 ** 0.5)
+    wide = position_targets((2, 5), "radial")[:, 0].reshape(2, 5)  # centre (1, 2), farthest (0, 0) and (0, 4)
+    np.testing.assert_allclose(wide[0], 1 - np.hypot(1, [2, 1, 0, 1, 2]) / 5 ** 0.5)
     assert position_targets((4, 5), "xy").shape == (20, 2)
     with pytest.raises(ValueError, match="unknown probe target"):
         position_targets((2, 2), "z")

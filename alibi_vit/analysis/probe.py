@@ -2,10 +2,13 @@
 
 For an image's (C, h, w) feature grid, a ridge regression on standardised features is fitted
 at a random ``fraction`` of the patches to a position target and scored (R²) on the patches it
-did not see. Targets, each normalised to [0, 1] over the image:
+did not see. Targets, as the authors' reference code defines them (``get_ramp``):
 
-- ``x``: left → right, ``y``: top → bottom, ``diag``: (x + y) / 2,
-- ``radial``: distance from the image centre, divided by its largest value,
+- ``x``: left → right, ``y``: top → bottom, each 0 → 1 over its own side;
+- ``diag``: (a_row + a_col) / 2 with a = linspace(0, 1, max(h, w)), one scale for both sides, so
+  on a non-square grid it reaches 1 only along the longer side;
+- ``radial``: 1 − r / max r, r the distance in patches from patch (h // 2, w // 2) (the centre
+  patch of an odd side; on an even side the patch just past the middle);
 - ``xy``: the joint (x, y) target, R² averaged over both outputs: the headline score.
 
 A model whose features carry absolute position scores near 1; a position-free model scores
@@ -47,10 +50,12 @@ def position_targets(grid_size, target: str = "xy") -> np.ndarray:
     elif target == "y":
         out = [y]
     elif target == "diag":
-        out = [(x + y) / 2.0]
+        a = np.linspace(0.0, 1.0, max(h, w)) if max(h, w) > 1 else np.zeros(1)
+        out = [(a[:h, None] + a[None, :w]) / 2.0]
     elif target == "radial":
-        r = np.hypot(x - 0.5, y - 0.5)
-        out = [r / r.max() if r.max() > 0 else r]
+        rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        r = np.hypot(rows - h // 2, cols - w // 2)
+        out = [1.0 - r / r.max() if r.max() > 0 else np.ones_like(r)]
     else:
         out = [x, y]
     return np.stack([o.reshape(-1) for o in out], axis=1)
