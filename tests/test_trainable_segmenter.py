@@ -29,21 +29,23 @@ def test_balanced_weights_give_every_class_the_same_total():
 
 def test_unlabelled_pixels_are_ignored(data):
     tr, trm, labels, te, _ = data
-    seg = TrainableSegmenter(**FAST).fit(tr, labels)
+    # intensity="dtype": an unlabelled image still shapes the fitted ("training") intensity range.
+    seg = TrainableSegmenter(**FAST, intensity="dtype").fit(tr, labels)
     # Filling the unlabelled pixels with other values must not change anything once they are 0 again,
     # and a label 0 is never predicted.
     assert set(np.unique(seg.predict(te)[0])) <= {1, 2, 3}
     # Adding unlabelled (0) images or relabelling 0 pixels as 0 is a no-op; putting wrong labels there is not.
-    seg2 = TrainableSegmenter(**FAST).fit(list(tr) + [tr[0]], labels + [np.zeros_like(labels[0])])
+    seg2 = TrainableSegmenter(**FAST, intensity="dtype").fit(list(tr) + [tr[0]], labels + [np.zeros_like(labels[0])])
     np.testing.assert_array_equal(seg.predict_proba(te)[0], seg2.predict_proba(te)[0])
     noisy = [np.where(lab > 0, lab, 1) for lab in labels]
-    seg3 = TrainableSegmenter(**FAST).fit(tr, noisy)
+    seg3 = TrainableSegmenter(**FAST, intensity="dtype").fit(tr, noisy)
     assert not np.array_equal(seg.predict(te)[0], seg3.predict(te)[0])
 
 
 def test_class_values_need_not_be_contiguous(data):
     tr, trm, labels, te, _ = data
-    seg = TrainableSegmenter(**FAST).fit(tr, [np.where(lab == 3, 7, lab) for lab in labels])
+    with pytest.warns(UserWarning, match=r"label values 1, 2, 7 are not 1\.\.3"):
+        seg = TrainableSegmenter(**FAST).fit(tr, [np.where(lab == 3, 7, lab) for lab in labels])
     np.testing.assert_array_equal(seg.classes_, [1, 2, 7])
     assert set(np.unique(seg.predict(te)[0])) <= {1, 2, 7}
     proba = seg.predict_proba(te)[0]
@@ -181,3 +183,117 @@ def test_crf_option_predicts_and_survives_save_load(tmp_path, data):
     loaded = TrainableSegmenter.load(tmp_path / "crf")
     assert loaded.crf and loaded.crf_params == {"iterations": 5}
     np.testing.assert_array_equal(loaded.predict(te[:1])[0], seg.predict(te[:1])[0])
+
+
+def test_training_intensity_is_fitted_once_stored_and_applied_unchanged(tmp_path, data):
+    tr, trm, labels, te, _ = data
+    seg = TrainableSegmenter(**FAST).fit(tr, labels)  # intensity="training" is the default
+    pooled = np.concatenate([im.ravel() for im in tr]).astype(np.float64)
+    lo, hi = np.percentile(pooled, (0.01, 99.99))
+    np.testing.assert_allclose(seg.intensity_range, (lo, hi), rtol=1e-6)
+    seg.save(tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["format"] == 2 and cfg["intensity"] == "training"
+    np.testing.assert_allclose(cfg["intensity_range"], (lo, hi), rtol=1e-6)
+    loaded = TrainableSegmenter.load(tmp_path / "m")
+    expected = np.clip((te[0].astype(np.float64) - lo) / (hi - lo), 0, 1)
+    np.testing.assert_allclose(loaded.scale(te[0]), expected, atol=1e-6)
+    # The mapping does not depend on what else the image holds: a test image lacking its bright
+    # half (another composition) keeps the same value for every remaining pixel.
+    cut = te[0].copy()
+    cut[:, 48:] = cut[:, :48].min()
+    np.testing.assert_array_equal(loaded.scale(cut)[:, :48], loaded.scale(te[0])[:, :48])
+    np.testing.assert_array_equal(loaded.predict_proba(te)[1], seg.predict_proba(te)[1])
+    # predict(scaled=True) on the stored transform's output is predict() on the raw image.
+    np.testing.assert_array_equal(loaded.predict([expected.astype(np.float32)], scaled=True)[0],
+                                  loaded.predict([te[0]])[0])
+
+
+def test_per_image_intensity_is_an_explicit_option(data):
+    from alibi_vit.images import scale_intensity
+
+    tr, trm, labels, te, _ = data
+    seg = TrainableSegmenter(**FAST, intensity="percentile").fit(tr, labels)
+    assert seg.intensity_range is None
+    np.testing.assert_array_equal(seg.scale(te[0]), scale_intensity(te[0], "percentile"))
+    with pytest.raises(ValueError, match="unknown intensity mode 'gamma'"):
+        TrainableSegmenter(intensity="gamma")
+
+
+def test_format_1_model_folders_still_load_and_unknown_formats_are_refused(tmp_path, data):
+    tr, trm, labels, te, _ = data
+    seg = TrainableSegmenter(**FAST, intensity="auto").fit(tr, labels)
+    seg.save(tmp_path / "m")
+    cfg_path = tmp_path / "m" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["format"] = 1
+    del cfg["intensity_range"]  # format 1 had per-image modes only
+    cfg_path.write_text(json.dumps(cfg))
+    np.testing.assert_array_equal(TrainableSegmenter.load(tmp_path / "m").predict(te)[0], seg.predict(te)[0])
+    cfg["format"] = 99
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="format 99, this version reads formats 1, 2"):
+        TrainableSegmenter.load(tmp_path / "m")
+
+
+def test_sample_quotas_are_stratified_and_capped():
+    from alibi_vit.trainable.segmenter import sample_quotas
+
+    np.testing.assert_array_equal(sample_quotas([100, 60000, 5000], 2000), [100, 950, 950])
+    np.testing.assert_array_equal(sample_quotas([10, 20, 30], 1000), [10, 20, 30])  # all fit
+    np.testing.assert_array_equal(sample_quotas([700, 700, 700], 900), [300, 300, 300])
+
+
+def _fit_recording(monkeypatch, image, lab, **kwargs):
+    """Fit on one image; return the training rows' class counts and the numpy peak memory of fit()."""
+    import tracemalloc
+
+    import alibi_vit.trainable.segmenter as segmenter
+
+    seen = {}
+    real = segmenter.make_classifier
+
+    def recording(*a, **k):
+        model = real(*a, **k)
+        fit = model.fit
+
+        def fit_and_record(X, Y, **kw):
+            seen["X"], seen["Y"] = X.shape, np.bincount(Y)
+            return fit(X, Y, **kw)
+        model.fit = fit_and_record
+        return model
+
+    monkeypatch.setattr(segmenter, "make_classifier", recording)
+    seg = TrainableSegmenter(**FAST, **kwargs)
+    tracemalloc.start()
+    seg.fit([image], [lab])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return seen, peak, seg
+
+
+def test_training_memory_does_not_grow_with_labelled_area(monkeypatch):
+    from alibi_vit.trainable import synthetic_micrograph
+
+    image, truth = synthetic_micrograph(256, seed=3)
+    sparse = scribbles(truth, 3, rng=0)
+    kw = dict(max_samples=600, tile=56)
+    _fit_recording(monkeypatch, image, sparse, **kw)  # warm-up: first-call allocations (imports, caches)
+    s_seen, s_peak, _ = _fit_recording(monkeypatch, image, sparse, **kw)
+    f_seen, f_peak, seg = _fit_recording(monkeypatch, image, truth, **kw)  # every pixel labelled
+    n_features = len(seg.feature_names)
+    assert s_seen["X"] == (600, n_features) == f_seen["X"]
+    # Stratified: each class gets its quota of the cap (all three classes hold far more than 200 px).
+    np.testing.assert_array_equal(f_seen["Y"], [200, 200, 200])
+    # Gathering every labelled pixel's features first would need 65536 rows (> 10 MB here).
+    all_rows = truth.size * n_features * 4
+    assert f_peak < s_peak + 0.1 * all_rows, (f_peak, s_peak, all_rows)
+
+
+def test_subsampling_is_seeded():
+    from alibi_vit.trainable import synthetic_micrograph
+
+    image, truth = synthetic_micrograph(64, seed=4)
+    a, b, c = (TrainableSegmenter(**FAST, max_samples=300, seed=s).fit([image], [truth]) for s in (0, 0, 1))
+    np.testing.assert_array_equal(a.predict_proba([image])[0], b.predict_proba([image])[0])
+    assert not np.array_equal(a.predict_proba([image])[0], c.predict_proba([image])[0])

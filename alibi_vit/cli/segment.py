@@ -48,9 +48,11 @@ def _add_backbone_arguments(p, several: bool):
 
 def _add_common(p):
     p.add_argument("--classifier", choices=("xgboost", "random_forest"), default="xgboost")
-    p.add_argument("--intensity", choices=("auto", "percentile", "minmax", "dtype"), default="auto",
-                   help="how images are scaled to [0, 1]: auto (default: 0.5–99.5th percentiles for grayscale, "
-                        "dtype for colour), percentile, min–max, or by dtype")
+    p.add_argument("--intensity", choices=("training", "auto", "percentile", "minmax", "dtype"), default="training",
+                   help="how images are scaled to [0, 1]: training (default: black/white points fitted once on "
+                        "the training images' pooled pixels, stored with the model, applied unchanged to every "
+                        "image); or each image by itself: auto (0.5–99.5th percentiles for grayscale, dtype for "
+                        "colour), percentile, minmax, dtype")
     p.add_argument("--components", type=int, default=9, help="PCA components of the ViT features")
     p.add_argument("--trees", type=int, default=None,
                    help="number of trees (boosting rounds, or forest size) instead of the classifier's default")
@@ -159,7 +161,8 @@ def _classifier_params(args):
 
 
 def _train(args) -> int:
-    from ..trainable import TrainableSegmenter, read_grayscale, read_labels
+    from ..images import read_array
+    from ..trainable import TrainableSegmenter, read_labels
 
     if args.backbone is None and args.checkpoint:
         raise ValueError("--checkpoint needs --backbone NAME")
@@ -172,14 +175,13 @@ def _train(args) -> int:
     _check_out_folder(args.out)
     images, labels = [], []
     for img, lab in tqdm(pairs, desc="read", disable=len(pairs) < 2):
-        images.append(read_grayscale(img, args.intensity))
-        labels.append(read_labels(lab, images[-1].shape))
+        images.append(read_array(img))  # as stored: the segmenter scales them (and fits the range)
+        labels.append(read_labels(lab, images[-1].shape[:2]))
     seg = TrainableSegmenter(args.backbone, args.classifier, args.crf, n_components=args.components,
                              classifier_params=_classifier_params(args),
-                             intensity="dtype", device=args.device, seed=args.seed, progress=True, **backbone_kwargs)
+                             intensity=args.intensity, device=args.device, seed=args.seed, progress=True,
+                             **backbone_kwargs)
     seg.fit(images, labels)
-    # The files were scaled on reading; the saved model scales arrays the same way when applied.
-    seg.intensity = args.intensity
     seg.save(args.out)
     counts = np.bincount(np.concatenate([lab[lab > 0] for lab in labels]))
     print(f"trained on {len(images)} image(s), {int(counts.sum())} labelled pixels in classes "
@@ -190,7 +192,8 @@ def _train(args) -> int:
 def _apply(args) -> int:
     import warnings
 
-    from ..trainable import TrainableSegmenter, read_grayscale
+    from ..images import read_array
+    from ..trainable import TrainableSegmenter
     from ..trainable.io import list_image_files, overlay, write_mask
 
     files = list_image_files(args.images)
@@ -203,16 +206,12 @@ def _apply(args) -> int:
     failed = []
     for path in tqdm(files, desc="segment"):
         try:
-            image01 = read_grayscale(path, seg.intensity)
+            image01 = seg.scale(read_array(path), str(path))  # the model's intensity (its stored range)
         except (OSError, ValueError) as err:  # one unreadable file must not cost the others their masks
             warnings.warn(f"skipped {path}: {err}")
             failed.append(path.name)
             continue
-        intensity, seg.intensity = seg.intensity, "dtype"  # already scaled on reading
-        try:
-            mask = seg.predict([image01])[0]
-        finally:
-            seg.intensity = intensity
+        mask = seg.predict([image01], scaled=True)[0]
         write_mask(args.out / f"{path.stem}_mask.{args.format}", mask)
         if not args.no_overlay:
             from PIL import Image

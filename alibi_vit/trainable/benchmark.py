@@ -139,7 +139,8 @@ def plot_examples(predictions, test_images, test_masks, intensity: str = "auto",
     cols = 2 + len(predictions)
     fig = Figure(figsize=(2.2 * cols, 2.6 * n), dpi=80)
     for i in range(n):
-        image01 = to_unit_float(test_images[i], intensity)
+        # Display only: a "training" range belongs to a trained model, so show each image by itself.
+        image01 = to_unit_float(test_images[i], "auto" if intensity == "training" else intensity)
         panels = [("image", np.repeat((image01 * 255).astype(np.uint8)[..., None], 3, -1)),
                   ("ground truth", overlay(image01, test_masks[i], 0.5, k))]
         panels += [(textwrap.fill(name, TITLE_WIDTH, break_on_hyphens=False) +

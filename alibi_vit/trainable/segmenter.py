@@ -3,7 +3,8 @@
 The method: README.md "Method" §7.
 
 Images go in as arrays ((H, W) of any integer or float dtype, or RGB) and are scaled to [0, 1] by
-``intensity``; label images use the Weka/ilastik convention: 0 = unlabelled, 1..K = classes.
+``intensity`` (by default black and white points fitted once on the training images and stored
+with the model); label images use the Weka/ilastik convention: 0 = unlabelled, 1..K = classes.
 Features are computed tile by tile (a core of ``tile`` px plus a margin covering the filters'
 reach), so the features of every pixel are exactly those of the whole image and memory stays
 bounded for any image size.
@@ -12,6 +13,7 @@ bounded for any image size.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -21,12 +23,16 @@ from tqdm.auto import tqdm
 from .classical import DEFAULT_SIGMAS, SIGMA_SCALE, classical_feature_names, classical_features_chw, halo
 from .classifier import CLASSIFIERS, balanced_weights, load_classifier, make_classifier
 from .crf import CRF_DEFAULTS, dense_crf
-from ..images import check_intensity
-from .io import as_label_image, to_unit_float
+from ..images import INTENSITY_MODES, fit_intensity_range, scale_to_range
+from .io import as_grayscale, as_label_image, to_unit_float
 
-__all__ = ["TrainableSegmenter"]
+__all__ = ["INTENSITY", "TrainableSegmenter", "sample_quotas"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: intensity "training" with its fitted range stored; 1 (per-image modes only) still loads
+READABLE_FORMATS = (1, 2)
+# "training": black/white points fitted on the pooled training pixels, stored, applied unchanged;
+# the others scale each image by itself (alibi_vit.images).
+INTENSITY = ("training",) + INTENSITY_MODES
 PATCH_ALIGN = 14  # tiles start on multiples of the patch size so ViT grids line up
 
 
@@ -52,6 +58,20 @@ def _upsample_region(z: np.ndarray, p: int, r0: int, r1: int, c0: int, c1: int) 
     return up[:, r0 - a0 * p:r1 - a0 * p, c0 - b0 * p:c1 - b0 * p].numpy()
 
 
+def sample_quotas(counts, cap: int) -> np.ndarray:
+    """How many pixels of each class to keep so that at most ``cap`` are kept in all, stratified:
+    every class gets an equal share, and what a small class cannot use goes to the larger ones
+    (water-filling). A class with fewer pixels than its share keeps them all."""
+    counts = np.asarray(counts, np.int64)
+    keep = np.zeros_like(counts)
+    budget, left = int(cap), len(counts)
+    for c in np.argsort(counts, kind="stable"):
+        keep[c] = min(counts[c], budget // left)
+        budget -= int(keep[c])
+        left -= 1
+    return keep
+
+
 def _as_list(items, what: str) -> list:
     """A list of images: one 2D (or (H, W, 3|4) RGB) array counts as one image; other arrays are ambiguous."""
     if isinstance(items, np.ndarray):
@@ -74,11 +94,17 @@ class TrainableSegmenter:
         ``crf_params`` overrides its defaults.
     sigmas, sigma_scale: the classical filters' scales (see :mod:`~alibi_vit.trainable.classical`).
     n_components: ViT PCA components (default 9). vit_tile, vit_overlap: ViT tiling in px.
-    intensity: how images become [0, 1] floats: "auto" (default: a percentile stretch for grayscale),
-        "percentile", "minmax" or "dtype" (see :mod:`alibi_vit.images`).
+    intensity: how images become [0, 1] floats. "training" (default): black and white points are the
+        0.01/99.99th percentiles of the training images' pooled grey values, fitted by fit(), stored
+        as ``intensity_range`` and applied unchanged to every image segmented, so a grey level means
+        the same in every image whatever mix of phases it holds. Per-image modes (each image scaled
+        by itself, see :mod:`alibi_vit.images`): "auto" (a 0.5–99.5th percentile stretch for
+        grayscale, dtype for colour), "percentile", "minmax", "dtype".
     tile: core size in px of the featurisation tiles (default 1036 = 74 patches, so a 1024-px image is
         one tile); bounds memory.
-    max_samples: at most this many labelled pixels train the classifier (a seeded random subset).
+    max_samples: at most this many labelled pixels train the classifier: a seeded random subset,
+        stratified by class (:func:`sample_quotas`), drawn from the label images before any feature
+        is computed, so training memory depends on this cap, not on how many pixels are labelled.
     feature_dtype: dtype the gathered training features are stored in (float32; float16 halves memory).
     device: where the backbone runs ("cuda" when available, else "cpu").
     seed: seeds subsampling and the classifier. progress: show progress bars.
@@ -87,12 +113,13 @@ class TrainableSegmenter:
     def __init__(self, backbone=None, classifier: str = "xgboost", crf: bool = False, *, checkpoint=None,
                  pretrained: bool = False, model_kwargs: dict | None = None, classifier_params: dict | None = None,
                  crf_params: dict | None = None, sigmas=DEFAULT_SIGMAS, sigma_scale: float = SIGMA_SCALE,
-                 n_components: int = 9, vit_tile: int = 518, vit_overlap: int = 56, intensity: str = "auto",
+                 n_components: int = 9, vit_tile: int = 518, vit_overlap: int = 56, intensity: str = "training",
                  tile: int = 1036, max_samples: int = 500_000, feature_dtype=np.float32, device=None, seed: int = 0,
                  progress: bool = False):
         if classifier not in CLASSIFIERS:
             raise ValueError(f"classifier must be one of {CLASSIFIERS}, got {classifier!r}")
-        check_intensity(intensity)
+        if intensity not in INTENSITY:
+            raise ValueError(f"unknown intensity mode {intensity!r}; choose one of {', '.join(INTENSITY)}")
         if crf_params and set(crf_params) - set(CRF_DEFAULTS):
             raise ValueError(f"unknown CRF parameters {sorted(set(crf_params) - set(CRF_DEFAULTS))}")
         if tile < PATCH_ALIGN:
@@ -107,6 +134,7 @@ class TrainableSegmenter:
         self.n_components, self.vit_tile, self.vit_overlap = int(n_components), int(vit_tile), int(vit_overlap)
         self.intensity, self.tile, self.max_samples = intensity, _round_up(int(tile), PATCH_ALIGN), int(max_samples)
         self.feature_dtype, self.seed, self.progress = np.dtype(feature_dtype), int(seed), progress
+        self.intensity_range = None  # (lo, hi) in stored grey values, fitted by fit() with intensity="training"
         self.backbone_spec = None
         self.vit = None
         if backbone is not None:
@@ -137,9 +165,20 @@ class TrainableSegmenter:
         names = classical_feature_names(self.sigmas)
         return names + [f"vit_pc{i}" for i in range(self.n_components)] if self.vit is not None else names
 
-    def _prepare(self, images, source="image"):
-        return [to_unit_float(im, self.intensity, source=f"{source} {i}")
-                for i, im in enumerate(_as_list(images, "images"))]
+    def scale(self, image, source: str = "image") -> np.ndarray:
+        """One image as the (H, W) float32 in [0, 1] the features are computed on (the model's intensity)."""
+        if self.intensity != "training":
+            return to_unit_float(image, self.intensity, source=source)
+        if self.intensity_range is None:
+            raise ValueError('intensity="training" is fitted by fit(): call fit() or load() first')
+        return scale_to_range(as_grayscale(image, source), *self.intensity_range, source=source)
+
+    def _prepare(self, images, source="image", fit: bool = False):
+        images = _as_list(images, "images")
+        if fit and self.intensity == "training":
+            images = [as_grayscale(im, f"{source} {i}") for i, im in enumerate(images)]
+            self.intensity_range = fit_intensity_range(images, seed=self.seed)
+        return [self.scale(im, f"{source} {i}") for i, im in enumerate(images)]
 
     def _vit_map(self, image01, patch_feats=None):
         if self.vit is None:
@@ -184,9 +223,10 @@ class TrainableSegmenter:
         images: a list of images, or one (H, W) or (H, W, 3) array; a 3D stack is an error.
         labels: one label image per image, same size, 0 = unlabelled, 1..K = classes. The classes are the label values found in all label
         images together (a class may appear in one image only); at least two are needed. Images
-        without any labelled pixel add nothing (but still shape the ViT PCA). Returns self.
+        without any labelled pixel add no training pixel (but still shape the ViT PCA and the
+        fitted intensity range). Returns self.
         """
-        xs = self._prepare(images)
+        xs = self._prepare(images, fit=True)
         labels = _as_list(labels, "labels")
         if len(labels) != len(xs):
             raise ValueError(f"got {len(xs)} images but {len(labels)} label images")
@@ -197,31 +237,55 @@ class TrainableSegmenter:
             raise ValueError("the label images have no labelled pixel (all 0): draw at least one scribble per class")
         if len(classes) < 2:
             raise ValueError(f"only class {classes[0]} is labelled: at least two classes are needed")
+        if not np.array_equal(classes, np.arange(1, len(classes) + 1)):
+            warnings.warn(f"label values {', '.join(str(int(c)) for c in classes)} are not 1..{len(classes)}: each "
+                          "value is a class, and masks are written with these same values", stacklevel=2)
         self.classes_ = classes
+        picks = self._sample(ys, classes)
         patch_feats = None
         if self.vit is not None:
             patch_feats = [self.vit.patch_features(x) for x in tqdm(xs, desc="ViT features", disable=not self.progress)]
             self.vit.fit_patch_matrix(np.concatenate([f.reshape(f.shape[0], -1).T for f in patch_feats]))
-        X, Y = [], []
+        n = sum(int(p.sum()) for p in picks)
+        X, Y = np.empty((n, len(self.feature_names)), self.feature_dtype), np.empty(n, np.int64)
+        row = 0
         for i, (x, y) in enumerate(tqdm(list(zip(xs, ys)), desc="features", disable=not self.progress)):
-            if not (y > 0).any():
+            if not picks[i].any():
                 continue
             vit_map = self._vit_map(x, patch_feats[i]) if patch_feats is not None else None
             for r0, r1, c0, c1 in self._regions(x.shape):
-                yr = y[r0:r1, c0:c1]
-                sel = yr > 0
-                if not sel.any():
+                sel = picks[i][r0:r1, c0:c1]
+                m = int(sel.sum())
+                if not m:
                     continue
                 feats = self._region_features(x, vit_map, r0, r1, c0, c1)
-                X.append(feats[:, sel].T.astype(self.feature_dtype))
-                Y.append(np.searchsorted(classes, yr[sel]))
-        X, Y = np.concatenate(X), np.concatenate(Y)
-        if len(Y) > self.max_samples:
-            keep = np.sort(np.random.default_rng(self.seed).choice(len(Y), self.max_samples, replace=False))
-            X, Y = X[keep], Y[keep]
+                X[row:row + m] = feats[:, sel].T
+                Y[row:row + m] = np.searchsorted(classes, y[r0:r1, c0:c1][sel])
+                row += m
         self.model_ = make_classifier(self.classifier_kind, seed=self.seed, **self.classifier_params)
         self.model_.fit(X, Y, sample_weight=balanced_weights(Y))
         return self
+
+    def _sample(self, ys, classes) -> list[np.ndarray]:
+        """Per label image a boolean mask of the labelled pixels that train the classifier: all of
+        them when they number at most ``max_samples``, else per class a seeded uniform random subset
+        of the size :func:`sample_quotas` gives. Only masks are held: features are computed afterwards
+        for the picked pixels alone, tile by tile, into one array of at most ``max_samples`` rows."""
+        counts = np.array([sum(int((y == c).sum()) for y in ys) for c in classes], np.int64)
+        if counts.sum() <= self.max_samples:
+            return [y > 0 for y in ys]
+        quotas = sample_quotas(counts, self.max_samples)
+        rng = np.random.default_rng(self.seed)
+        picks = [np.zeros(y.shape, bool) for y in ys]
+        for c, n_c, q in zip(classes, counts, quotas):
+            chosen = np.zeros(n_c, bool)  # over the class's pixels in image order, then raster order
+            chosen[rng.choice(n_c, q, replace=False)] = True
+            start = 0
+            for y, pick in zip(ys, picks):
+                where = np.flatnonzero(y == c)
+                pick.flat[where[chosen[start:start + len(where)]]] = True
+                start += len(where)
+        return picks
 
     # ---- prediction -----------------------------------------------------------------------
     def _check_fitted(self):
@@ -241,16 +305,20 @@ class TrainableSegmenter:
             out = dense_crf(out, x, **self.crf_params)
         return out
 
-    def predict_proba(self, images) -> list[np.ndarray]:
-        """Per image an (H, W, K) float32 array of class probabilities, classes ordered as ``classes_``."""
+    def predict_proba(self, images, scaled: bool = False) -> list[np.ndarray]:
+        """Per image an (H, W, K) float32 array of class probabilities, classes ordered as ``classes_``.
+
+        scaled: the images are already the output of :meth:`scale` (so a caller that needs the scaled
+        image too scales once)."""
         self._check_fitted()
-        xs = self._prepare(images)
+        xs = _as_list(images, "images") if scaled else self._prepare(images)
         return [self._proba_one(x) for x in tqdm(xs, desc="segment", disable=not self.progress)]
 
-    def predict(self, images) -> list[np.ndarray]:
-        """Per image an (H, W) int64 mask of class values (those in the training labels, 1..K)."""
+    def predict(self, images, scaled: bool = False) -> list[np.ndarray]:
+        """Per image an (H, W) int64 mask of class values (those in the training labels); ``scaled`` as
+        in :meth:`predict_proba`."""
         self._check_fitted()
-        xs = self._prepare(images)
+        xs = _as_list(images, "images") if scaled else self._prepare(images)
         return [self.classes_[self._proba_one(x).argmax(-1)]
                 for x in tqdm(xs, desc="segment", disable=not self.progress)]
 
@@ -260,7 +328,9 @@ class TrainableSegmenter:
                 "classifier": self.classifier_kind, "classifier_params": self.classifier_params,
                 "crf": self.crf, "crf_params": self.crf_params, "sigmas": list(self.sigmas),
                 "sigma_scale": self.sigma_scale, "n_components": self.n_components, "vit_tile": self.vit_tile,
-                "vit_overlap": self.vit_overlap, "intensity": self.intensity, "tile": self.tile,
+                "vit_overlap": self.vit_overlap, "intensity": self.intensity,
+                "intensity_range": None if self.intensity_range is None else list(self.intensity_range),
+                "tile": self.tile,
                 "max_samples": self.max_samples, "feature_dtype": self.feature_dtype.name, "seed": self.seed,
                 "backbone": self.backbone_spec, "feature_names": self.feature_names}
 
@@ -300,8 +370,9 @@ class TrainableSegmenter:
             cfg = json.loads(cfg_path.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"{cfg_path} is not valid JSON ({err}): the model folder is damaged; train it again") from None
-        if cfg.get("format") != FORMAT_VERSION:
-            raise ValueError(f"{cfg_path} has format {cfg.get('format')}, this version reads {FORMAT_VERSION}")
+        if cfg.get("format") not in READABLE_FORMATS:
+            raise ValueError(f"{cfg_path} has format {cfg.get('format')}, this version reads formats "
+                             f"{', '.join(map(str, READABLE_FORMATS))}: train the model again with this version")
         spec = cfg["backbone"]
         kwargs = {}
         if spec is None:
@@ -324,6 +395,11 @@ class TrainableSegmenter:
         if spec is not None and "name" in spec and spec["checkpoint"] == "backbone.safetensors":
             # Weights saved with the model (a random-init backbone): a later save() writes them again.
             seg.backbone_spec = {**spec, "checkpoint": None}
+        if cfg.get("intensity_range") is not None:
+            seg.intensity_range = tuple(float(v) for v in cfg["intensity_range"])
+        elif seg.intensity == "training":
+            raise ValueError(f'{cfg_path} has intensity "training" but no intensity_range: the model folder is '
+                             "damaged; train it again")
         seg.classes_ = np.asarray(cfg["classes"], np.int64)
         seg.model_ = load_classifier(cfg["classifier"], path / "classifier.json")
         if seg.vit is not None:
