@@ -51,6 +51,16 @@ def test_train_then_apply_writes_masks_and_overlays(files, tmp_path):
     np.testing.assert_array_equal(tifffile.imread(tmp_path / "tif" / "m0_mask.tif"),
                                   np.asarray(Image.open(tmp_path / "out" / "m0_mask.png")))
     assert not (tmp_path / "tif" / "m0_overlay.png").exists()
+    # The model holds the intensity range fitted on the training files and apply uses it: its masks
+    # are the loaded segmenter's predictions on the raw 16-bit arrays.
+    from alibi_vit.trainable import TrainableSegmenter
+
+    seg = TrainableSegmenter.load(tmp_path / "model")
+    pooled = np.concatenate([tifffile.imread(root / "images" / f"{s}.tif").ravel() for s in masks]).astype(float)
+    np.testing.assert_allclose(seg.intensity_range, np.percentile(pooled, (0.01, 99.99)), rtol=1e-6)
+    for stem in masks:
+        np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "out" / f"{stem}_mask.png")),
+                                      seg.predict([tifffile.imread(root / "images" / f"{stem}.tif")])[0])
 
 
 def test_train_errors_name_the_problem(files, tmp_path):
@@ -87,6 +97,16 @@ def test_benchmark_synthetic_and_from_folders(files, tmp_path):
     assert (tmp_path / "f" / "benchmark.csv").read_text().count("\n") == 2
     with pytest.raises(ValueError, match="required without --synthetic"):
         run(["benchmark", "--out", str(tmp_path / "g")])
+
+
+def test_benchmark_composition_shift_compares_intensity_modes(tmp_path, capsys):
+    assert run(["benchmark", "--composition-shift", "--synthetic-size", "64", "--synthetic-count", "1", "1",
+                "--rounds", "1", "--trees", "5", "--out", str(tmp_path / "c")]) == 0
+    lines = (tmp_path / "c" / "benchmark.csv").read_text().splitlines()
+    assert lines[0] == "method,round,scribbled_pixels,miou,pixel_accuracy"
+    assert [line.split(",")[0] for line in lines[1:]] == [
+        f"classical [intensity={m}]" for m in ("training", "percentile", "minmax", "dtype")]
+    assert "pixel accuracy" in capsys.readouterr().out
 
 
 TINY_VIT = ["--backbone", "alibi_vit_small_patch14_reg4_dinov2", "--model-arg", "depth=1", "--model-arg",

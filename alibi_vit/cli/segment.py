@@ -83,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         b.add_argument(f"--{name}", nargs="+", metavar="DIR_OR_FILE")
     b.add_argument("--synthetic", action="store_true",
                    help="use generated 3-phase micrographs (offline; not the paper's data)")
+    b.add_argument("--composition-shift", action="store_true",
+                   help="generated data whose test images lack the brightest of three phases, run once per "
+                        "intensity mode (training, percentile, minmax, dtype; --intensity is not used)")
     b.add_argument("--synthetic-size", type=int, default=256)
     b.add_argument("--synthetic-count", type=int, nargs=2, default=(5, 5), metavar=("TRAIN", "TEST"))
     _add_backbone_arguments(b, several=True)
@@ -236,13 +239,18 @@ def _read_set(image_sources, mask_sources, what):
 
 def _benchmark(args) -> int:
     from ..synthetic import synthetic_dataset
-    from ..trainable.benchmark import scribble_benchmark, write_outputs
+    from ..trainable.benchmark import compare_intensity, composition_shift_data, scribble_benchmark, write_outputs
 
     if args.rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     checkpoints = _check_backbone_weights(args, args.backbone)
     _check_out_folder(args.out)
-    if args.synthetic:
+    if args.composition_shift:
+        if args.train_images or args.test_images:
+            raise ValueError("--composition-shift generates its data: give no --train-images/--test-images")
+        n_train, n_test = args.synthetic_count
+        (tr, trm), (te, tem) = composition_shift_data(n_train, n_test, args.synthetic_size, seed=args.seed)
+    elif args.synthetic:
         n_train, n_test = args.synthetic_count
         (tr, trm), (te, tem) = synthetic_dataset(n_train, n_test, args.synthetic_size, seed=args.seed)
     else:
@@ -257,17 +265,28 @@ def _benchmark(args) -> int:
             backbones[f"classical + {name}"] = create_backbone(
                 name, pretrained=args.pretrained and ckpt is None, checkpoint=ckpt, seed=args.seed,
                 **parse_model_args(args.model_arg))
-    rows, preds, test_masks = scribble_benchmark(
-        tr, trm, te, tem, backbones, rounds=args.rounds, per_class=args.per_class, seed=args.seed,
-        classifier=args.classifier, progress=True,
-        segmenter_kwargs=dict(n_components=args.components, classifier_params=_classifier_params(args),
-                              intensity=args.intensity, device=args.device))
-    paths = write_outputs(args.out, rows, preds, te, test_masks, intensity=args.intensity)
+    run_kwargs = dict(rounds=args.rounds, per_class=args.per_class, seed=args.seed, classifier=args.classifier,
+                      progress=True)
+    seg_kwargs = dict(n_components=args.components, classifier_params=_classifier_params(args), device=args.device)
+    if args.composition_shift:
+        rows, preds, test_masks = compare_intensity(tr, trm, te, tem, backbones, segmenter_kwargs=seg_kwargs,
+                                                    **run_kwargs)
+    else:
+        rows, preds, test_masks = scribble_benchmark(tr, trm, te, tem, backbones,
+                                                     segmenter_kwargs={**seg_kwargs, "intensity": args.intensity},
+                                                     **run_kwargs)
+    paths = write_outputs(args.out, rows, preds, te, test_masks,
+                          intensity="auto" if args.composition_shift else args.intensity)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     print("round  " + "  ".join(methods))
     for r in range(1, args.rounds + 1):
         vals = {row["method"]: row["miou"] for row in rows if row["round"] == r}
         print(f"{r:>5}  " + "  ".join(f"{vals[m]:>{len(m)}.3f}" for m in methods))
+    last = [row for row in rows if row["round"] == args.rounds]
+    width = max(len(row["method"]) for row in last)
+    print(f"round {args.rounds}: {'method':<{width}}  mIoU   pixel accuracy")
+    for row in last:
+        print(f"{'':>{len(str(args.rounds)) + 8}}{row['method']:<{width}}  {row['miou']:.3f}  {row['pixel_accuracy']:.3f}")
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 
