@@ -74,6 +74,11 @@ def test_train_errors_name_the_problem(files, tmp_path):
         run(["train", "--images", str(root / "images"), "--labels", str(bad), "--out", str(tmp_path / "x")])
     with pytest.raises(FileNotFoundError, match="neither an image file nor a folder"):
         run(["train", "--images", str(tmp_path / "missing"), "--labels", str(bad), "--out", str(tmp_path / "x")])
+    jpeg = tmp_path / "jpeg"
+    jpeg.mkdir()
+    Image.fromarray(np.asarray(Image.open(root / "labels" / "m0_labels.png"))).save(jpeg / "m0_labels.jpg")
+    with pytest.raises(ValueError, match=r"m0_labels.jpg is a JPEG: .*save labels as PNG or TIFF"):
+        run(["train", "--images", str(root / "images" / "m0.tif"), "--labels", str(jpeg), "--out", str(tmp_path / "x")])
     with pytest.raises(FileNotFoundError, match="no config.json"):
         run(["apply", "--model", str(bad), "--images", str(root / "images"), "--out", str(tmp_path / "x")])
 

@@ -229,12 +229,12 @@ def _apply(args) -> int:
 
 
 def _read_set(image_sources, mask_sources, what):
-    from ..trainable.io import read_array
+    from ..trainable.io import read_array, read_labels
 
     if not image_sources or not mask_sources:
         raise ValueError(f"--{what}-images and --{what}-masks are required without --synthetic")
     pairs = _image_label_pairs(image_sources, mask_sources, what="masks")
-    return [read_array(i) for i, _ in pairs], [read_array(m) for _, m in pairs], [i.stem for i, _ in pairs]
+    return [read_array(i) for i, _ in pairs], [read_labels(m) for _, m in pairs], [i.stem for i, _ in pairs]
 
 
 def _benchmark(args) -> int:

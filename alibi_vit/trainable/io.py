@@ -96,9 +96,17 @@ def read_grayscale(path, intensity: str = "auto") -> np.ndarray:
     return load_grayscale(Path(path), check_intensity(intensity))
 
 
+LOSSY_SUFFIXES = (".jpg", ".jpeg", ".jpe", ".jfif")
+
+
 def read_labels(path, shape=None) -> np.ndarray:
-    """Read a label image file (single-channel or palette PNG/TIFF) as (H, W) int64; see :func:`as_label_image`."""
+    """Read a label image file (single-channel or palette PNG/TIFF) as (H, W) int64; see :func:`as_label_image`.
+
+    JPEG files are refused: lossy compression invents values (classes) at every stroke edge."""
     path = Path(path)
+    if path.suffix.lower() in LOSSY_SUFFIXES:
+        raise ValueError(f"labels {path} is a JPEG: lossy compression invents classes at stroke edges; "
+                         "save labels as PNG or TIFF")
     return as_label_image(read_array(path), shape, source=f"labels {path}")
 
 
