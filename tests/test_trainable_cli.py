@@ -224,3 +224,37 @@ def test_apply_skips_unreadable_images_writes_the_rest_and_fails(files, trained_
     assert captured.err.strip().splitlines()[-1] == \
         "alibi-vit segment: error: 1 image(s) could not be read: broken.png"
     assert sorted(p.name for p in (tmp_path / "out").glob("*_mask.png")) == ["m0_mask.png", "m1_mask.png"]
+
+
+def test_apply_writes_palette_masks_probabilities_and_area_fractions(files, trained_model, tmp_path):
+    import csv
+
+    from alibi_vit.trainable import TrainableSegmenter
+    from alibi_vit.trainable.io import palette
+
+    root, masks = files
+    assert run(["apply", "--model", str(trained_model), "--images", str(root / "images"), "--proba",
+                "--out", str(tmp_path / "out")]) == 0
+    seg = TrainableSegmenter.load(trained_model)
+    rows = {r["image"]: r for r in csv.DictReader(open(tmp_path / "out" / "area_fractions.csv"))}
+    fractions = []
+    for stem in masks:
+        png = Image.open(tmp_path / "out" / f"{stem}_mask.png")
+        assert png.mode == "P"  # shown in the class colours by any viewer
+        pred = np.asarray(png)  # the indices are the class values
+        rgb = np.asarray(png.convert("RGB"))
+        for c in (1, 2, 3):
+            if (pred == c).any():
+                np.testing.assert_array_equal(rgb[pred == c][0], palette(3)[c])
+        proba = np.stack([tifffile.imread(tmp_path / "out" / f"{stem}_proba_{c}.tif") for c in (1, 2, 3)], -1)
+        np.testing.assert_allclose(proba.sum(-1), 1, atol=1e-5)
+        np.testing.assert_array_equal(seg.classes_[proba.argmax(-1)], pred)
+        row = rows[f"{stem}.tif"]
+        for c in (1, 2, 3):  # fractions are pixel counts over the image's size
+            assert int(row[f"pixels_{c}"]) == (pred == c).sum()
+            assert float(row[f"fraction_{c}"]) == pytest.approx((pred == c).sum() / pred.size, abs=1e-6)
+        fractions.append([(pred == c).mean() for c in (1, 2, 3)])
+    fractions = np.array(fractions)
+    for c in (1, 2, 3):
+        assert float(rows["mean"][f"fraction_{c}"]) == pytest.approx(fractions[:, c - 1].mean(), abs=1e-6)
+        assert float(rows["std"][f"fraction_{c}"]) == pytest.approx(fractions[:, c - 1].std(ddof=1), abs=1e-6)

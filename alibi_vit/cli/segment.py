@@ -75,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--out", type=Path, required=True, metavar="DIR")
     a.add_argument("--format", choices=("png", "tif"), default="png", help="mask file format")
     a.add_argument("--no-overlay", action="store_true", help="write only the masks, no overlay PNGs")
+    a.add_argument("--proba", action="store_true",
+                   help="also write per-class probability TIFFs (<name>_proba_<class>.tif, float32)")
     a.add_argument("--crf", choices=("model", "on", "off"), default="model",
                    help="dense-CRF clean-up: as the model was trained (default), or force on/off")
     a.add_argument("--device", default=None)
@@ -197,7 +199,7 @@ def _apply(args) -> int:
 
     from ..images import read_array
     from ..trainable import TrainableSegmenter
-    from ..trainable.io import list_image_files, overlay, write_mask
+    from ..trainable.io import area_fractions, list_image_files, overlay, write_fractions_csv, write_mask, write_proba
 
     files = list_image_files(args.images)
     _check_out_folder(args.out)
@@ -206,7 +208,7 @@ def _apply(args) -> int:
     if args.crf != "model":
         seg.crf = args.crf == "on"
     k = int(seg.classes_.max())
-    failed = []
+    failed, names, counts = [], [], []
     for path in tqdm(files, desc="segment"):
         try:
             image01 = seg.scale(read_array(path), str(path))  # the model's intensity (its stored range)
@@ -214,13 +216,21 @@ def _apply(args) -> int:
             warnings.warn(f"skipped {path}: {err}")
             failed.append(path.name)
             continue
-        mask = seg.predict([image01], scaled=True)[0]
-        write_mask(args.out / f"{path.stem}_mask.{args.format}", mask)
+        proba = seg.predict_proba([image01], scaled=True)[0]
+        mask = seg.classes_[proba.argmax(-1)]
+        write_mask(args.out / f"{path.stem}_mask.{args.format}", mask, k)
+        if args.proba:
+            write_proba(args.out, path.stem, proba, seg.classes_)
+        names.append(path.name)
+        counts.append((area_fractions(mask, seg.classes_)[0], mask.size))
         if not args.no_overlay:
             from PIL import Image
 
             Image.fromarray(overlay(image01, mask, 0.4, k)).save(args.out / f"{path.stem}_overlay.png")
-    print(f"segmented {len(files) - len(failed)} of {len(files)} image(s) into {args.out}")
+    if names:
+        write_fractions_csv(args.out / "area_fractions.csv", names, counts, seg.classes_)
+    print(f"segmented {len(files) - len(failed)} of {len(files)} image(s) into {args.out} "
+          f"(area fractions per class in {args.out / 'area_fractions.csv'})")
     if failed:
         print(f"alibi-vit segment: error: {len(failed)} image(s) could not be read: {', '.join(failed)}",
               file=sys.stderr)

@@ -12,8 +12,9 @@ import numpy as np
 
 from ..images import check_intensity, load_grayscale
 
-__all__ = ["IMAGE_SUFFIXES", "as_grayscale", "as_label_image", "list_image_files", "overlay",
-           "read_array", "read_grayscale", "read_labels", "to_unit_float", "write_mask"]
+__all__ = ["IMAGE_SUFFIXES", "area_fractions", "as_grayscale", "as_label_image", "list_image_files", "overlay",
+           "read_array", "read_grayscale", "read_labels", "to_unit_float", "write_fractions_csv", "write_mask",
+           "write_proba"]
 
 IMAGE_SUFFIXES = (".png", ".tif", ".tiff", ".jpg", ".jpeg", ".bmp")
 
@@ -146,8 +147,13 @@ def overlay(image01: np.ndarray, mask: np.ndarray, alpha: float = 0.4, k: int | 
     return out.round().astype(np.uint8)
 
 
-def write_mask(path, mask: np.ndarray) -> Path:
-    """Write a class mask losslessly: PNG (8-bit, or 16-bit above 255 classes) or TIFF by suffix."""
+def write_mask(path, mask: np.ndarray, k: int | None = None) -> Path:
+    """Write a class mask losslessly: PNG or TIFF by suffix, pixel value = class value.
+
+    PNGs of values below 256 are palette ("P") images whose colour for value v is :func:`palette`
+    (``k``, default the mask's maximum)[v], the overlays' colours, so any viewer shows the classes
+    in colour while the stored indices stay the class values; above 255, a 16-bit grey PNG.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     dtype = np.uint8 if mask.max() < 256 else np.uint16
@@ -158,5 +164,58 @@ def write_mask(path, mask: np.ndarray) -> Path:
     else:
         from PIL import Image
 
-        Image.fromarray(mask.astype(dtype)).save(path)
+        if dtype == np.uint8:
+            m = np.ascontiguousarray(mask, dtype=np.uint8)
+            img = Image.frombytes("P", (m.shape[1], m.shape[0]), m.tobytes())  # indices = class values
+            img.putpalette(palette(int(mask.max()) if k is None else int(k))[:256].ravel().tolist())
+        else:
+            img = Image.fromarray(mask.astype(dtype))
+        img.save(path)
+    return path
+
+
+def write_proba(folder, stem: str, proba: np.ndarray, classes) -> list[Path]:
+    """One float32 TIFF per class, ``<stem>_proba_<class value>.tif``, of the (H, W, K) probabilities."""
+    import tifffile
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for j, c in enumerate(classes):
+        paths.append(folder / f"{stem}_proba_{int(c)}.tif")
+        tifffile.imwrite(paths[-1], np.ascontiguousarray(proba[..., j], dtype=np.float32))
+    return paths
+
+
+def area_fractions(mask: np.ndarray, classes) -> tuple[np.ndarray, np.ndarray]:
+    """(pixel counts, area fractions) of each class value of ``classes`` in ``mask``; fractions are
+    counts over the mask's pixel count (they sum to 1 when every pixel holds one of ``classes``)."""
+    counts = np.array([int((mask == c).sum()) for c in classes], np.int64)
+    return counts, counts / mask.size
+
+
+def write_fractions_csv(path, names, masks_counts, classes) -> Path:
+    """The area-fraction CSV: one row per image (``image``, then per class ``fraction_<c>`` and
+    ``pixels_<c>``), then a ``mean`` and a ``std`` row over the images (sample standard deviation,
+    ddof=1; empty with a single image). ``masks_counts``: per image its class pixel counts and size."""
+    import csv
+
+    classes = [int(c) for c in classes]
+    header = ["image"] + [f"fraction_{c}" for c in classes] + [f"pixels_{c}" for c in classes]
+    rows = []
+    for name, (counts, size) in zip(names, masks_counts):
+        counts = np.asarray(counts, np.int64)
+        rows.append([name] + list(counts / size) + list(counts))
+    values = np.array([r[1:] for r in rows], np.float64).reshape(len(rows), 2 * len(classes))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        for r in rows:
+            writer.writerow([r[0]] + [f"{v:.6f}" for v in r[1:1 + len(classes)]] + [int(v) for v in r[1 + len(classes):]])
+        if rows:
+            writer.writerow(["mean"] + [f"{v:.6f}" for v in values.mean(0)])
+            std = values.std(0, ddof=1) if len(rows) > 1 else None
+            writer.writerow(["std"] + ([f"{v:.6f}" for v in std] if std is not None else [""] * values.shape[1]))
     return path
