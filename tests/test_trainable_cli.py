@@ -258,3 +258,31 @@ def test_apply_writes_palette_masks_probabilities_and_area_fractions(files, trai
     for c in (1, 2, 3):
         assert float(rows["mean"][f"fraction_{c}"]) == pytest.approx(fractions[:, c - 1].mean(), abs=1e-6)
         assert float(rows["std"][f"fraction_{c}"]) == pytest.approx(fractions[:, c - 1].std(ddof=1), abs=1e-6)
+
+
+def test_colour_model_on_colour_files_and_grey_files_are_an_error(tmp_path, capsys):
+    from alibi_vit.cli.main import main
+    from alibi_vit.trainable.io import palette
+
+    for d in ("img", "lab", "grey"):
+        (tmp_path / d).mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        _, mask = synthetic_micrograph(48, seed=i)
+        colours = np.array([[0, 0, 0], [200, 60, 160], [60, 150, 140], [120, 120, 120]], np.float64)
+        rgb = np.clip(colours[mask] + rng.normal(0, 6, mask.shape + (3,)), 0, 255).astype(np.uint8)
+        Image.fromarray(rgb).save(tmp_path / "img" / f"c{i}.png")
+        Image.fromarray(scribbles(mask, 2, rng=i).astype(np.uint8)).save(tmp_path / "lab" / f"c{i}_labels.png")
+        Image.fromarray(rgb[..., 0]).save(tmp_path / "grey" / f"g{i}.png")
+    assert run(["train", "--images", str(tmp_path / "img"), "--labels", str(tmp_path / "lab"), "--trees", "10",
+                "--out", str(tmp_path / "m")]) == 0
+    assert run(["apply", "--model", str(tmp_path / "m"), "--images", str(tmp_path / "img" / "c1.png"),
+                "--out", str(tmp_path / "out")]) == 0
+    rgb = np.asarray(Image.open(tmp_path / "img" / "c1.png")).astype(np.float64)
+    mask = np.asarray(Image.open(tmp_path / "out" / "c1_mask.png"))
+    expected = (0.6 * rgb + 0.4 * palette(3)[mask]).round()  # the overlay keeps the image's own colours
+    np.testing.assert_allclose(np.asarray(Image.open(tmp_path / "out" / "c1_overlay.png")), expected, atol=1)
+    capsys.readouterr()
+    assert main(["segment", "apply", "--model", str(tmp_path / "m"), "--images", str(tmp_path / "grey"),
+                 "--out", str(tmp_path / "out2")]) == 2
+    assert "is grayscale but the model was trained on colour images" in _one_line_error(capsys)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from alibi_vit.trainable import TrainableSegmenter, mean_iou, scribbles, synthetic_dataset
+from alibi_vit.trainable.classical import classical_feature_names
 from alibi_vit.trainable.classifier import balanced_weights
 from helpers import TINY, tiny_model
 
@@ -297,3 +298,67 @@ def test_subsampling_is_seeded():
     a, b, c = (TrainableSegmenter(**FAST, max_samples=300, seed=s).fit([image], [truth]) for s in (0, 0, 1))
     np.testing.assert_array_equal(a.predict_proba([image])[0], b.predict_proba([image])[0])
     assert not np.array_equal(a.predict_proba([image])[0], c.predict_proba([image])[0])
+
+
+def _colour_set():
+    """Two RGB uint8 images whose classes differ only in hue (equal luma), with scribbles."""
+    from alibi_vit.trainable import synthetic_micrograph
+
+    out = []
+    for seed in (0, 1):
+        _, mask = synthetic_micrograph(64, seed=seed)
+        # Colours of (nearly) equal luma 0.299 R + 0.587 G + 0.114 B ≈ 120: grey cannot tell them apart.
+        colours = np.array([[0, 0, 0], [200, 60, 160], [60, 150, 140], [120, 120, 120]], np.float64)
+        rng = np.random.default_rng(seed)
+        rgb = np.clip(colours[mask] + rng.normal(0, 6, mask.shape + (3,)), 0, 255).astype(np.uint8)
+        out.append((rgb, mask, scribbles(mask, 2, rng=seed)))
+    return out
+
+
+def test_colour_features_are_the_grey_path_per_channel():
+    (rgb, _, lab), (rgb2, _, lab2) = _colour_set()
+    seg = TrainableSegmenter(**FAST, intensity="dtype").fit([rgb, rgb2], [lab, lab2])
+    grey = TrainableSegmenter(**FAST, intensity="dtype")
+    f = seg.features(rgb)
+    n = len(classical_feature_names((0, 1, 4)))
+    assert f.shape == rgb.shape[:2] + (3 * n,) and len(seg.feature_names) == 3 * n
+    for c in range(3):  # each channel's block equals the grayscale features of that channel alone
+        np.testing.assert_array_equal(f[..., c * n:(c + 1) * n], grey.features(rgb[..., c]))
+    assert seg.feature_names[n].endswith("_g")
+
+
+def test_colour_separates_phases_grey_cannot_and_mismatches_are_errors(tmp_path):
+    data = _colour_set()
+    images, masks, labels = zip(*data)
+    colour = TrainableSegmenter(**FAST).fit(images[:1], labels[:1])
+    grey = TrainableSegmenter(**FAST, colour="grey").fit(images[:1], labels[:1])
+    miou_colour = mean_iou(colour.predict(images[1:])[0], masks[1])
+    miou_grey = mean_iou(grey.predict(images[1:])[0], masks[1])
+    assert miou_colour > 0.9 and miou_grey < miou_colour - 0.2, (miou_colour, miou_grey)
+    # The fitted range pools the channels' values (alpha dropped), not their luma.
+    np.testing.assert_allclose(colour.intensity_range, np.percentile(images[0].astype(float), (0.01, 99.99)),
+                               rtol=1e-6)
+    colour.save(tmp_path / "c")
+    loaded = TrainableSegmenter.load(tmp_path / "c")
+    np.testing.assert_array_equal(loaded.predict(images[1:])[0], colour.predict(images[1:])[0])
+    rgba = np.concatenate([images[1], np.full(images[1].shape[:2] + (1,), 255, np.uint8)], -1)
+    np.testing.assert_array_equal(loaded.predict([rgba])[0], colour.predict(images[1:])[0])
+    with pytest.raises(ValueError, match="is grayscale but the model was trained on colour images"):
+        loaded.predict([images[1][..., 0]])
+    plain = TrainableSegmenter(**FAST).fit([images[0][..., 0]], labels[:1])
+    with pytest.raises(ValueError, match="is a colour image but the model was trained on grayscale"):
+        plain.predict([images[1]])
+    with pytest.raises(ValueError, match="mix colour and grayscale"):
+        TrainableSegmenter(**FAST).fit([images[0], images[1][..., 0]], labels)
+    grey.predict([images[1][..., 0]])  # colour="grey" takes either kind
+
+
+def test_vit_features_of_rgb_with_equal_channels_equal_the_grey_path():
+    from alibi_vit.trainable.vit import vit_patch_features
+
+    model = tiny_model(dtype=torch.float32)
+    x = np.random.default_rng(0).random((30, 44)).astype(np.float32)
+    np.testing.assert_allclose(vit_patch_features(model, np.stack([x] * 3, -1)), vit_patch_features(model, x),
+                               atol=1e-6)
+    rgb = np.stack([x, x[::-1], 1 - x], -1)
+    assert not np.allclose(vit_patch_features(model, rgb), vit_patch_features(model, x), atol=1e-3)

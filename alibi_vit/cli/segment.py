@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="label images: 0 = unlabelled, 1..K = classes, paired with the images by file name")
     _add_backbone_arguments(t, several=False)
     _add_common(t)
+    t.add_argument("--colour", choices=("channels", "grey"), default="channels",
+                   help="colour images: featurised per channel (default; the model then takes colour images only) "
+                        "or converted to grey (luma)")
     t.add_argument("--crf", action="store_true", help="refine predictions with a dense CRF when applying")
     t.add_argument("--out", type=Path, required=True, metavar="MODEL_DIR")
     a = sub.add_parser("apply", help=ACTIONS["apply"], description=ACTIONS["apply"])
@@ -185,7 +188,7 @@ def _train(args) -> int:
     seg = TrainableSegmenter(args.backbone, args.classifier, args.crf, n_components=args.components,
                              classifier_params=_classifier_params(args),
                              intensity=args.intensity, device=args.device, seed=args.seed, progress=True,
-                             **backbone_kwargs)
+                             colour=args.colour, **backbone_kwargs)
     seg.fit(images, labels)
     seg.save(args.out)
     counts = np.bincount(np.concatenate([lab[lab > 0] for lab in labels]))
@@ -197,7 +200,7 @@ def _train(args) -> int:
 def _apply(args) -> int:
     import warnings
 
-    from ..images import read_array
+    from ..images import read_array, scale_colour
     from ..trainable import TrainableSegmenter
     from ..trainable.io import area_fractions, list_image_files, overlay, write_fractions_csv, write_mask, write_proba
 
@@ -209,9 +212,23 @@ def _apply(args) -> int:
         seg.crf = args.crf == "on"
     k = int(seg.classes_.max())
     failed, names, counts = [], [], []
+    for path in files:  # a colour model given grayscale images (or the reverse) fails before any work
+        try:
+            first = read_array(path)
+        except (OSError, ValueError):
+            continue  # reported in the loop below
+        seg.check_channels(first, str(path))
+        break
     for path in tqdm(files, desc="segment"):
         try:
-            image01 = seg.scale(read_array(path), str(path))  # the model's intensity (its stored range)
+            array = read_array(path)
+        except (OSError, ValueError) as err:  # one unreadable file must not cost the others their masks
+            warnings.warn(f"skipped {path}: {err}")
+            failed.append(path.name)
+            continue
+        seg.check_channels(array, str(path))  # a colour model given grey images (or the reverse): an error
+        try:
+            image01 = seg.scale(array, str(path))  # the model's intensity (its stored range)
         except (OSError, ValueError) as err:  # one unreadable file must not cost the others their masks
             warnings.warn(f"skipped {path}: {err}")
             failed.append(path.name)
@@ -226,7 +243,9 @@ def _apply(args) -> int:
         if not args.no_overlay:
             from PIL import Image
 
-            Image.fromarray(overlay(image01, mask, 0.4, k)).save(args.out / f"{path.stem}_overlay.png")
+            # Colour images are shown in their own colours (by dtype), grayscale as the model scaled it.
+            shown = scale_colour(array, "auto", str(path)) if image01.ndim == 3 else image01
+            Image.fromarray(overlay(shown, mask, 0.4, k)).save(args.out / f"{path.stem}_overlay.png")
     if names:
         write_fractions_csv(args.out / "area_fractions.csv", names, counts, seg.classes_)
     print(f"segmented {len(files) - len(failed)} of {len(files)} image(s) into {args.out} "

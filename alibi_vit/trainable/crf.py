@@ -17,7 +17,8 @@ CRF_DEFAULTS = dict(gaussian_sxy=3.0, gaussian_compat=10.0, bilateral_sxy=80.0, 
 
 
 def dense_crf(proba: np.ndarray, image01: np.ndarray, **params) -> np.ndarray:
-    """Refined (H, W, K) probabilities from (H, W, K) class probabilities and the (H, W) image in [0, 1]."""
+    """Refined (H, W, K) probabilities from (H, W, K) class probabilities and the (H, W) or RGB
+    (H, W, 3) image in [0, 1] (the bilateral term compares colours; grey is repeated to RGB)."""
     try:
         import pydensecrf.densecrf as dcrf
         from pydensecrf.utils import unary_from_softmax
@@ -28,13 +29,14 @@ def dense_crf(proba: np.ndarray, image01: np.ndarray, **params) -> np.ndarray:
         raise ValueError(f"unknown CRF parameters {sorted(unknown)}; known: {sorted(CRF_DEFAULTS)}")
     p = {**CRF_DEFAULTS, **params}
     h, w, k = proba.shape
-    if image01.shape != (h, w):
+    if image01.shape[:2] != (h, w) or image01.ndim not in (2, 3):
         raise ValueError(f"image is {image01.shape} but the probabilities are {(h, w)}")
     crf = dcrf.DenseCRF2D(w, h, k)
     softmax = np.clip(np.moveaxis(proba, -1, 0), 1e-8, 1.0).astype(np.float32)
     crf.setUnaryEnergy(np.ascontiguousarray(unary_from_softmax(softmax)))
     crf.addPairwiseGaussian(sxy=p["gaussian_sxy"], compat=p["gaussian_compat"])
-    rgb = np.ascontiguousarray(np.repeat((np.clip(image01, 0, 1) * 255).round().astype(np.uint8)[..., None], 3, -1))
+    u8 = (np.clip(image01, 0, 1) * 255).round().astype(np.uint8)
+    rgb = np.ascontiguousarray(u8[..., :3] if u8.ndim == 3 else np.repeat(u8[..., None], 3, -1))
     crf.addPairwiseBilateral(sxy=p["bilateral_sxy"], srgb=p["bilateral_srgb"], rgbim=rgb,
                              compat=p["bilateral_compat"])
     q = np.asarray(crf.inference(int(p["iterations"])), np.float32).reshape(k, h, w)

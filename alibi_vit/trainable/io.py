@@ -139,10 +139,14 @@ def palette(k: int) -> np.ndarray:
 
 
 def overlay(image01: np.ndarray, mask: np.ndarray, alpha: float = 0.4, k: int | None = None) -> np.ndarray:
-    """(H, W, 3) uint8: the grayscale image with the classes of ``mask`` tinted on it (0 stays untinted)."""
+    """(H, W, 3) uint8: the image (grayscale (H, W), or RGB (H, W, 3) in its own colours) with the
+    classes of ``mask`` tinted on it (0 stays untinted)."""
     k = int(mask.max()) if k is None else k
     colours = palette(k).astype(np.float32)[mask]
-    gray = np.repeat(np.clip(image01, 0, 1)[..., None] * 255.0, 3, axis=-1)
+    if image01.ndim == 3:
+        gray = np.clip(image01[..., :3], 0, 1) * 255.0
+    else:
+        gray = np.repeat(np.clip(image01, 0, 1)[..., None] * 255.0, 3, axis=-1)
     out = np.where(mask[..., None] > 0, (1 - alpha) * gray + alpha * colours, gray)
     return out.round().astype(np.uint8)
 

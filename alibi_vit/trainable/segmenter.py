@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from .classical import DEFAULT_SIGMAS, SIGMA_SCALE, classical_feature_names, classical_features_chw, halo
 from .classifier import CLASSIFIERS, balanced_weights, load_classifier, make_classifier
 from .crf import CRF_DEFAULTS, dense_crf
-from ..images import INTENSITY_MODES, fit_intensity_range, scale_to_range
+from ..images import INTENSITY_MODES, fit_intensity_range, scale_colour, scale_to_range
 from .io import as_grayscale, as_label_image, to_unit_float
 
 __all__ = ["INTENSITY", "TrainableSegmenter", "sample_quotas"]
@@ -33,6 +33,8 @@ READABLE_FORMATS = (1, 2)
 # "training": black/white points fitted on the pooled training pixels, stored, applied unchanged;
 # the others scale each image by itself (alibi_vit.images).
 INTENSITY = ("training",) + INTENSITY_MODES
+COLOUR = ("channels", "grey")
+CHANNEL_NAMES = ("r", "g", "b")
 PATCH_ALIGN = 14  # tiles start on multiples of the patch size so ViT grids line up
 
 
@@ -105,6 +107,10 @@ class TrainableSegmenter:
     max_samples: at most this many labelled pixels train the classifier: a seeded random subset,
         stratified by class (:func:`sample_quotas`), drawn from the label images before any feature
         is computed, so training memory depends on this cap, not on how many pixels are labelled.
+    colour: "channels" (default): colour (RGB(A)) images are featurised per channel (the classical
+        filters on each of R, G, B; ViT features from the RGB image); a model trained on colour
+        images refuses grayscale ones and the reverse. "grey": colour becomes luma first, any image
+        goes.
     feature_dtype: dtype the gathered training features are stored in (float32; float16 halves memory).
     device: where the backbone runs ("cuda" when available, else "cpu").
     seed: seeds subsampling and the classifier. progress: show progress bars.
@@ -115,11 +121,13 @@ class TrainableSegmenter:
                  crf_params: dict | None = None, sigmas=DEFAULT_SIGMAS, sigma_scale: float = SIGMA_SCALE,
                  n_components: int = 9, vit_tile: int = 518, vit_overlap: int = 56, intensity: str = "training",
                  tile: int = 1036, max_samples: int = 500_000, feature_dtype=np.float32, device=None, seed: int = 0,
-                 progress: bool = False):
+                 progress: bool = False, colour: str = "channels"):
         if classifier not in CLASSIFIERS:
             raise ValueError(f"classifier must be one of {CLASSIFIERS}, got {classifier!r}")
         if intensity not in INTENSITY:
             raise ValueError(f"unknown intensity mode {intensity!r}; choose one of {', '.join(INTENSITY)}")
+        if colour not in COLOUR:
+            raise ValueError(f"colour must be one of {', '.join(COLOUR)}, got {colour!r}")
         if crf_params and set(crf_params) - set(CRF_DEFAULTS):
             raise ValueError(f"unknown CRF parameters {sorted(set(crf_params) - set(CRF_DEFAULTS))}")
         if tile < PATCH_ALIGN:
@@ -134,6 +142,7 @@ class TrainableSegmenter:
         self.n_components, self.vit_tile, self.vit_overlap = int(n_components), int(vit_tile), int(vit_overlap)
         self.intensity, self.tile, self.max_samples = intensity, _round_up(int(tile), PATCH_ALIGN), int(max_samples)
         self.feature_dtype, self.seed, self.progress = np.dtype(feature_dtype), int(seed), progress
+        self.colour, self.channels_ = colour, None  # channels_: 1 or 3, set by fit() (what the model accepts)
         self.intensity_range = None  # (lo, hi) in stored grey values, fitted by fit() with intensity="training"
         self.backbone_spec = None
         self.vit = None
@@ -162,22 +171,54 @@ class TrainableSegmenter:
     # ---- features -------------------------------------------------------------------------
     @property
     def feature_names(self) -> list[str]:
+        return self._feature_names(self.channels_ or 1)
+
+    def _feature_names(self, channels: int) -> list[str]:
         names = classical_feature_names(self.sigmas)
+        if channels > 1:
+            names = [f"{n}_{ch}" for ch in CHANNEL_NAMES[:channels] for n in names]
         return names + [f"vit_pc{i}" for i in range(self.n_components)] if self.vit is not None else names
 
+    def check_channels(self, image, source: str = "image"):
+        """A clear ValueError when a colour model gets a grayscale image or the reverse."""
+        image = as_grayscale(image, source)
+        if self.colour != "channels" or self.channels_ is None:
+            return image
+        colour = image.ndim == 3
+        if colour and self.channels_ == 1:
+            raise ValueError(f"{source} is a colour image but the model was trained on grayscale images: convert it "
+                             "to grayscale, or train on colour images (or with colour='grey' / --colour grey)")
+        if not colour and self.channels_ > 1:
+            raise ValueError(f"{source} is grayscale but the model was trained on colour images, channel by "
+                             "channel: give colour images, or train on grayscale (or with colour='grey' / --colour grey)")
+        return image
+
     def scale(self, image, source: str = "image") -> np.ndarray:
-        """One image as the (H, W) float32 in [0, 1] the features are computed on (the model's intensity)."""
+        """One image as the float32 in [0, 1] the features are computed on (the model's intensity):
+        (H, W), or (H, W, 3) for a colour image with ``colour="channels"``."""
+        image = self.check_channels(image, source)
+        keep = self.colour == "channels"
         if self.intensity != "training":
-            return to_unit_float(image, self.intensity, source=source)
+            return scale_colour(image, self.intensity, source) if keep else to_unit_float(image, self.intensity, source)
         if self.intensity_range is None:
             raise ValueError('intensity="training" is fitted by fit(): call fit() or load() first')
-        return scale_to_range(as_grayscale(image, source), *self.intensity_range, source=source)
+        return scale_to_range(image, *self.intensity_range, source=source, colour=keep)
 
     def _prepare(self, images, source="image", fit: bool = False):
         images = _as_list(images, "images")
-        if fit and self.intensity == "training":
+        if fit:
             images = [as_grayscale(im, f"{source} {i}") for i, im in enumerate(images)]
-            self.intensity_range = fit_intensity_range(images, seed=self.seed)
+            self.channels_ = None
+            if self.colour == "channels":
+                kinds = {im.ndim for im in images}
+                if len(kinds) > 1:
+                    raise ValueError("the training images mix colour and grayscale: give one kind, or convert "
+                                     "colour to grey with colour='grey' (--colour grey)")
+                self.channels_ = 3 if kinds == {3} else 1
+            else:
+                self.channels_ = 1
+            if self.intensity == "training":
+                self.intensity_range = fit_intensity_range(images, seed=self.seed, colour=self.colour == "channels")
         return [self.scale(im, f"{source} {i}") for i, im in enumerate(images)]
 
     def _vit_map(self, image01, patch_feats=None):
@@ -195,11 +236,13 @@ class TrainableSegmenter:
 
     def _region_features(self, image01, vit_map, r0, r1, c0, c1) -> np.ndarray:
         """(F, r1-r0, c1-c0) features of a core region, computed on it plus its halo."""
-        h, w = image01.shape
+        h, w = image01.shape[:2]
         g = self.halo
         R0, R1, C0, C1 = max(r0 - g, 0), min(r1 + g, h), max(c0 - g, 0), min(c1 + g, w)
-        feats = classical_features_chw(image01[R0:R1, C0:C1], self.sigmas, sigma_scale=self.sigma_scale,
-                                       intensity=None)[:, r0 - R0:r1 - R0, c0 - C0:c1 - C0]
+        crop = image01[R0:R1, C0:C1]
+        channels = [crop] if crop.ndim == 2 else [crop[..., c] for c in range(crop.shape[-1])]
+        feats = np.concatenate([classical_features_chw(ch, self.sigmas, sigma_scale=self.sigma_scale, intensity=None)
+                                for ch in channels])[:, r0 - R0:r1 - R0, c0 - C0:c1 - C0]
         if vit_map is None:
             return feats
         p = int(self.vit.model.patch_embed.patch_size[0])
@@ -211,8 +254,8 @@ class TrainableSegmenter:
             raise ValueError("the ViT PCA is fitted by fit(): call fit() before features() with a backbone")
         (x,) = self._prepare([image])
         vit_map = self._vit_map(x)
-        out = np.empty((len(self.feature_names),) + x.shape, np.float32)
-        for r0, r1, c0, c1 in self._regions(x.shape):
+        out = np.empty((len(self._feature_names(1 if x.ndim == 2 else x.shape[-1])),) + x.shape[:2], np.float32)
+        for r0, r1, c0, c1 in self._regions(x.shape[:2]):
             out[:, r0:r1, c0:c1] = self._region_features(x, vit_map, r0, r1, c0, c1)
         return np.moveaxis(out, 0, -1)
 
@@ -230,7 +273,7 @@ class TrainableSegmenter:
         labels = _as_list(labels, "labels")
         if len(labels) != len(xs):
             raise ValueError(f"got {len(xs)} images but {len(labels)} label images")
-        ys = [as_label_image(lab, x.shape, source=f"labels {i}") for i, (lab, x) in enumerate(zip(labels, xs))]
+        ys = [as_label_image(lab, x.shape[:2], source=f"labels {i}") for i, (lab, x) in enumerate(zip(labels, xs))]
         classes = np.unique(np.concatenate([np.unique(y) for y in ys]))
         classes = classes[classes > 0]
         if len(classes) == 0:
@@ -253,7 +296,7 @@ class TrainableSegmenter:
             if not picks[i].any():
                 continue
             vit_map = self._vit_map(x, patch_feats[i]) if patch_feats is not None else None
-            for r0, r1, c0, c1 in self._regions(x.shape):
+            for r0, r1, c0, c1 in self._regions(x.shape[:2]):
                 sel = picks[i][r0:r1, c0:c1]
                 m = int(sel.sum())
                 if not m:
@@ -295,8 +338,8 @@ class TrainableSegmenter:
     def _proba_one(self, x: np.ndarray) -> np.ndarray:
         vit_map = self._vit_map(x)
         k = len(self.classes_)
-        out = np.empty(x.shape + (k,), np.float32)
-        for r0, r1, c0, c1 in self._regions(x.shape):
+        out = np.empty(x.shape[:2] + (k,), np.float32)
+        for r0, r1, c0, c1 in self._regions(x.shape[:2]):
             feats = self._region_features(x, vit_map, r0, r1, c0, c1)
             # Rows C-contiguous: XGBoost would otherwise copy them once more.
             rows = np.ascontiguousarray(feats.reshape(feats.shape[0], -1).T, dtype=self.feature_dtype)
@@ -332,7 +375,8 @@ class TrainableSegmenter:
                 "intensity_range": None if self.intensity_range is None else list(self.intensity_range),
                 "tile": self.tile,
                 "max_samples": self.max_samples, "feature_dtype": self.feature_dtype.name, "seed": self.seed,
-                "backbone": self.backbone_spec, "feature_names": self.feature_names}
+                "backbone": self.backbone_spec, "feature_names": self.feature_names, "colour": self.colour,
+                "channels": self.channels_}
 
     def save(self, path) -> Path:
         """Write the model folder: config.json, classifier.json (XGBoost's JSON format), and with a
@@ -391,7 +435,9 @@ class TrainableSegmenter:
                   crf_params=cfg["crf_params"], sigmas=cfg["sigmas"], sigma_scale=cfg["sigma_scale"],
                   n_components=cfg["n_components"], vit_tile=cfg["vit_tile"], vit_overlap=cfg["vit_overlap"],
                   intensity=cfg["intensity"], tile=cfg["tile"], max_samples=cfg["max_samples"],
-                  feature_dtype=cfg["feature_dtype"], device=device, seed=cfg["seed"], progress=progress, **kwargs)
+                  feature_dtype=cfg["feature_dtype"], device=device, seed=cfg["seed"], progress=progress,
+                  colour=cfg.get("colour", "grey"), **kwargs)  # format 1: colour became grey
+        seg.channels_ = cfg.get("channels", 1)
         if spec is not None and "name" in spec and spec["checkpoint"] == "backbone.safetensors":
             # Weights saved with the model (a random-init backbone): a later save() writes them again.
             seg.backbone_spec = {**spec, "checkpoint": None}
