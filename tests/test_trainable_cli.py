@@ -254,6 +254,9 @@ def test_apply_writes_palette_masks_probabilities_and_area_fractions(files, trai
             assert int(row[f"pixels_{c}"]) == (pred == c).sum()
             assert float(row[f"fraction_{c}"]) == pytest.approx((pred == c).sum() / pred.size, abs=1e-6)
         fractions.append([(pred == c).mean() for c in (1, 2, 3)])
+    key = np.asarray(Image.open(tmp_path / "out" / "colour_key.png").convert("RGB"))
+    for c in (1, 2, 3):  # one swatch per class, in the masks' colours
+        assert (key == palette(3)[c]).all(-1).sum() > 100
     fractions = np.array(fractions)
     for c in (1, 2, 3):
         assert float(rows["mean"][f"fraction_{c}"]) == pytest.approx(fractions[:, c - 1].mean(), abs=1e-6)

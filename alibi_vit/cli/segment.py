@@ -202,7 +202,8 @@ def _apply(args) -> int:
 
     from ..images import read_array, scale_colour
     from ..trainable import TrainableSegmenter
-    from ..trainable.io import area_fractions, list_image_files, overlay, write_fractions_csv, write_mask, write_proba
+    from ..trainable.io import (area_fractions, list_image_files, overlay, write_colour_key, write_fractions_csv,
+                                write_mask, write_proba)
 
     files = list_image_files(args.images)
     _check_out_folder(args.out)
@@ -248,6 +249,7 @@ def _apply(args) -> int:
             Image.fromarray(overlay(shown, mask, 0.4, k)).save(args.out / f"{path.stem}_overlay.png")
     if names:
         write_fractions_csv(args.out / "area_fractions.csv", names, counts, seg.classes_)
+        write_colour_key(args.out / "colour_key.png", seg.classes_, k)
     print(f"segmented {len(files) - len(failed)} of {len(files)} image(s) into {args.out} "
           f"(area fractions per class in {args.out / 'area_fractions.csv'})")
     if failed:

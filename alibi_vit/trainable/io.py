@@ -13,7 +13,8 @@ import numpy as np
 from ..images import check_intensity, load_grayscale
 
 __all__ = ["IMAGE_SUFFIXES", "area_fractions", "as_grayscale", "as_label_image", "list_image_files", "overlay",
-           "read_array", "read_grayscale", "read_labels", "to_unit_float", "write_fractions_csv", "write_mask",
+           "read_array", "read_grayscale", "read_labels", "to_unit_float", "write_colour_key", "write_fractions_csv",
+           "write_mask",
            "write_proba"]
 
 IMAGE_SUFFIXES = (".png", ".tif", ".tiff", ".jpg", ".jpeg", ".bmp")
@@ -175,6 +176,27 @@ def write_mask(path, mask: np.ndarray, k: int | None = None) -> Path:
         else:
             img = Image.fromarray(mask.astype(dtype))
         img.save(path)
+    return path
+
+
+def write_colour_key(path, classes, k: int | None = None, names=None) -> Path:
+    """A PNG key to the masks' and overlays' colours: per class a swatch of :func:`palette` colour
+    and its name (default "class <value>")."""
+    from PIL import Image, ImageDraw
+
+    classes = [int(c) for c in classes]
+    colours = palette(max(classes) if k is None else int(k))
+    names = [f"class {c}" for c in classes] if names is None else list(names)
+    row = 22
+    img = Image.new("RGB", (30 + 8 * max(len(n) for n in names) + 10, row * len(classes) + 6), "white")
+    draw = ImageDraw.Draw(img)
+    for i, (c, name) in enumerate(zip(classes, names)):
+        y = 4 + i * row
+        draw.rectangle([4, y, 22, y + row - 6], fill=tuple(int(v) for v in colours[c]), outline="black")
+        draw.text((30, y + 2), name, fill="black")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path)
     return path
 
 
