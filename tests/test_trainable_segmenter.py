@@ -182,7 +182,7 @@ def test_crf_option_predicts_and_survives_save_load(tmp_path, data):
     assert not np.allclose(proba, plain.predict_proba(te[:1])[0], atol=1e-3)  # the CRF changed something
     seg.save(tmp_path / "crf")
     loaded = TrainableSegmenter.load(tmp_path / "crf")
-    assert loaded.crf and loaded.crf_params == {"iterations": 5}
+    assert loaded.crf == "paper" and loaded.crf_params == {"iterations": 5}  # crf=True: the paper preset
     np.testing.assert_array_equal(loaded.predict(te[:1])[0], seg.predict(te[:1])[0])
 
 
@@ -362,3 +362,45 @@ def test_vit_features_of_rgb_with_equal_channels_equal_the_grey_path():
                                atol=1e-6)
     rgb = np.stack([x, x[::-1], 1 - x], -1)
     assert not np.allclose(vit_patch_features(model, rgb), vit_patch_features(model, x), atol=1e-3)
+
+
+def test_crf_presets_hold_the_values_they_are_named_for():
+    from alibi_vit.trainable.crf import CRF_PRESETS
+
+    assert CRF_PRESETS["paper"]["gaussian_sxy"] == 1 and CRF_PRESETS["paper"]["bilateral_sxy"] == 30
+    assert CRF_PRESETS["library"]["gaussian_sxy"] == 3 and CRF_PRESETS["library"]["bilateral_sxy"] == 80
+    with pytest.raises(ValueError, match="crf must be False, True or a preset"):
+        TrainableSegmenter(crf="fancy")
+
+
+def test_tiled_crf_equals_whole_image_crf_away_from_tile_borders():
+    pytest.importorskip("pydensecrf")
+    from alibi_vit.trainable.crf import dense_crf, dense_crf_tiled
+
+    rng = np.random.default_rng(0)
+    truth = (np.add.outer(np.arange(120), np.arange(100)) // 37 % 2).astype(int)
+    image = (truth * 0.6 + 0.2 + rng.normal(0, 0.05, truth.shape)).astype(np.float32)
+    p1 = np.clip(np.where(truth == 1, 0.65, 0.35) + rng.normal(0, 0.25, truth.shape), 0.01, 0.99)
+    proba = np.stack([1 - p1, p1], -1).astype(np.float32)
+    for preset in ("paper", "library"):
+        whole = dense_crf(proba, image, preset)
+        np.testing.assert_array_equal(dense_crf_tiled(proba, image, tile=128, preset=preset), whole)  # one tile
+        tiled = dense_crf_tiled(proba, image, tile=40, overlap=24, preset=preset)  # 3×3 tiles
+        assert (tiled.argmax(-1) == whole.argmax(-1)).mean() > 0.97
+    assert not np.allclose(dense_crf(proba, image, "paper"), dense_crf(proba, image, "library"), atol=1e-3)
+
+
+def test_format_1_crf_true_loads_as_the_library_preset(tmp_path, data):
+    pytest.importorskip("pydensecrf")
+    tr, trm, labels, te, _ = data
+    seg = TrainableSegmenter(**FAST, crf="library", intensity="auto").fit(tr, labels)
+    seg.save(tmp_path / "m")
+    cfg_path = tmp_path / "m" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    assert cfg["crf"] == "library"
+    cfg.update(format=1, crf=True)
+    del cfg["intensity_range"]
+    cfg_path.write_text(json.dumps(cfg))
+    loaded = TrainableSegmenter.load(tmp_path / "m")
+    assert loaded.crf == "library"
+    np.testing.assert_array_equal(loaded.predict(te[:1])[0], seg.predict(te[:1])[0])

@@ -70,7 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--colour", choices=("channels", "grey"), default="channels",
                    help="colour images: featurised per channel (default; the model then takes colour images only) "
                         "or converted to grey (luma)")
-    t.add_argument("--crf", action="store_true", help="refine predictions with a dense CRF when applying")
+    t.add_argument("--crf", nargs="?", const="paper", choices=("paper", "library"), default=None,
+                   help="refine predictions with a dense CRF when applying: preset paper (the paper notebook's "
+                        "sxy values; the default of a bare --crf) or library (the authors' backend's defaults)")
     t.add_argument("--out", type=Path, required=True, metavar="MODEL_DIR")
     a = sub.add_parser("apply", help=ACTIONS["apply"], description=ACTIONS["apply"])
     a.add_argument("--model", type=Path, required=True, metavar="MODEL_DIR")
@@ -80,8 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--no-overlay", action="store_true", help="write only the masks, no overlay PNGs")
     a.add_argument("--proba", action="store_true",
                    help="also write per-class probability TIFFs (<name>_proba_<class>.tif, float32)")
-    a.add_argument("--crf", choices=("model", "on", "off"), default="model",
-                   help="dense-CRF clean-up: as the model was trained (default), or force on/off")
+    a.add_argument("--crf", choices=("model", "on", "off", "paper", "library"), default="model",
+                   help="dense-CRF clean-up: as the model was trained (default), on (preset paper), off, or a "
+                        "preset (paper, library)")
     a.add_argument("--device", default=None)
     b = sub.add_parser("benchmark", help=ACTIONS["benchmark"], description=ACTIONS["benchmark"])
     for name in ("train-images", "train-masks", "test-images", "test-masks"):
@@ -185,7 +188,7 @@ def _train(args) -> int:
     for img, lab in tqdm(pairs, desc="read", disable=len(pairs) < 2):
         images.append(read_array(img))  # as stored: the segmenter scales them (and fits the range)
         labels.append(read_labels(lab, images[-1].shape[:2]))
-    seg = TrainableSegmenter(args.backbone, args.classifier, args.crf, n_components=args.components,
+    seg = TrainableSegmenter(args.backbone, args.classifier, args.crf or False, n_components=args.components,
                              classifier_params=_classifier_params(args),
                              intensity=args.intensity, device=args.device, seed=args.seed, progress=True,
                              colour=args.colour, **backbone_kwargs)
@@ -210,7 +213,7 @@ def _apply(args) -> int:
     seg = TrainableSegmenter.load(args.model, device=args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.crf != "model":
-        seg.crf = args.crf == "on"
+        seg.crf = {"on": "paper", "off": False}.get(args.crf, args.crf)
     k = int(seg.classes_.max())
     failed, names, counts = [], [], []
     for path in files:  # a colour model given grayscale images (or the reverse) fails before any work

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from .classical import DEFAULT_SIGMAS, SIGMA_SCALE, classical_feature_names, classical_features_chw, halo
 from .classifier import CLASSIFIERS, balanced_weights, load_classifier, make_classifier
-from .crf import CRF_DEFAULTS, dense_crf
+from .crf import CRF_DEFAULTS, CRF_PRESETS, dense_crf_tiled
 from ..images import INTENSITY_MODES, fit_intensity_range, scale_colour, scale_to_range
 from .io import as_grayscale, as_label_image, to_unit_float
 
@@ -34,6 +34,9 @@ READABLE_FORMATS = (1, 2)
 # the others scale each image by itself (alibi_vit.images).
 INTENSITY = ("training",) + INTENSITY_MODES
 COLOUR = ("channels", "grey")
+# crf=True means this preset: "paper" edged "library" on the synthetic scribble benchmark (README §7).
+DEFAULT_CRF_PRESET = "paper"
+CRF_OVERLAP = 128  # px of context on each side of a CRF tile
 CHANNEL_NAMES = ("r", "g", "b")
 PATCH_ALIGN = 14  # tiles start on multiples of the patch size so ViT grids line up
 
@@ -92,8 +95,11 @@ class TrainableSegmenter:
         :func:`alibi_vit.patch_features` accepts.
     classifier: "xgboost" (default) or "random_forest" (XGBoost's random-forest mode); extra
         settings in ``classifier_params``. Classes are balanced by sample weights.
-    crf: refine probabilities with a dense CRF (:func:`~alibi_vit.trainable.crf.dense_crf`);
-        ``crf_params`` overrides its defaults.
+    crf: refine probabilities with a dense CRF, tiled like the features (``tile`` px cores, 128 px
+        overlap; :func:`~alibi_vit.trainable.crf.dense_crf_tiled`): False (default), a preset name
+        ("paper": the paper notebook's sxy values; "library": the authors' backend library's
+        defaults; see :mod:`~alibi_vit.trainable.crf`), or True for "paper". ``crf_params``
+        overrides single values.
     sigmas, sigma_scale: the classical filters' scales (see :mod:`~alibi_vit.trainable.classical`).
     n_components: ViT PCA components (default 9). vit_tile, vit_overlap: ViT tiling in px.
     intensity: how images become [0, 1] floats. "training" (default): black and white points are the
@@ -116,7 +122,7 @@ class TrainableSegmenter:
     seed: seeds subsampling and the classifier. progress: show progress bars.
     """
 
-    def __init__(self, backbone=None, classifier: str = "xgboost", crf: bool = False, *, checkpoint=None,
+    def __init__(self, backbone=None, classifier: str = "xgboost", crf: bool | str = False, *, checkpoint=None,
                  pretrained: bool = False, model_kwargs: dict | None = None, classifier_params: dict | None = None,
                  crf_params: dict | None = None, sigmas=DEFAULT_SIGMAS, sigma_scale: float = SIGMA_SCALE,
                  n_components: int = 9, vit_tile: int = 518, vit_overlap: int = 56, intensity: str = "training",
@@ -135,7 +141,11 @@ class TrainableSegmenter:
         import torch
 
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.classifier_kind, self.crf = classifier, bool(crf)
+        if crf is True:
+            crf = DEFAULT_CRF_PRESET
+        if crf and crf not in CRF_PRESETS:
+            raise ValueError(f"crf must be False, True or a preset ({', '.join(CRF_PRESETS)}), got {crf!r}")
+        self.classifier_kind, self.crf = classifier, crf or False
         self.classifier_params = dict(classifier_params or {})
         self.crf_params = dict(crf_params or {})
         self.sigmas, self.sigma_scale = tuple(float(s) for s in sigmas), float(sigma_scale)
@@ -345,7 +355,7 @@ class TrainableSegmenter:
             rows = np.ascontiguousarray(feats.reshape(feats.shape[0], -1).T, dtype=self.feature_dtype)
             out[r0:r1, c0:c1] = self.model_.predict_proba(rows).reshape(r1 - r0, c1 - c0, k)
         if self.crf:
-            out = dense_crf(out, x, **self.crf_params)
+            out = dense_crf_tiled(out, x, self.tile, CRF_OVERLAP, self.crf, **self.crf_params)
         return out
 
     def predict_proba(self, images, scaled: bool = False) -> list[np.ndarray]:
@@ -431,7 +441,8 @@ class TrainableSegmenter:
             if ckpt and not Path(ckpt).is_absolute():
                 ckpt = path / ckpt
             kwargs = dict(checkpoint=ckpt, pretrained=spec["pretrained"], model_kwargs=spec["model_kwargs"])
-        seg = cls(model, cfg["classifier"], cfg["crf"], classifier_params=cfg["classifier_params"],
+        crf = "library" if cfg["crf"] is True else cfg["crf"]  # format 1 stored True: the library's values
+        seg = cls(model, cfg["classifier"], crf, classifier_params=cfg["classifier_params"],
                   crf_params=cfg["crf_params"], sigmas=cfg["sigmas"], sigma_scale=cfg["sigma_scale"],
                   n_components=cfg["n_components"], vit_tile=cfg["vit_tile"], vit_overlap=cfg["vit_overlap"],
                   intensity=cfg["intensity"], tile=cfg["tile"], max_samples=cfg["max_samples"],
