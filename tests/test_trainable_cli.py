@@ -289,3 +289,33 @@ def test_colour_model_on_colour_files_and_grey_files_are_an_error(tmp_path, caps
     assert main(["segment", "apply", "--model", str(tmp_path / "m"), "--images", str(tmp_path / "grey"),
                  "--out", str(tmp_path / "out2")]) == 2
     assert "is grayscale but the model was trained on colour images" in _one_line_error(capsys)
+
+
+def test_stacks_are_segmented_slice_by_slice_and_written_back_as_stacks(tmp_path):
+    from alibi_vit.trainable import TrainableSegmenter
+
+    for d in ("img", "lab", "new"):
+        (tmp_path / d).mkdir()
+    pairs = [synthetic_micrograph(48, seed=s) for s in range(3)]
+    stack = np.stack([p[0] for p in pairs])
+    labels = np.stack([scribbles(pairs[0][1], 2, rng=0), np.zeros((48, 48), np.uint8), scribbles(pairs[2][1], 2, rng=2)])
+    tifffile.imwrite(tmp_path / "img" / "vol.tif", stack, photometric="minisblack")
+    tifffile.imwrite(tmp_path / "lab" / "vol_labels.tif", labels.astype(np.uint8), photometric="minisblack")
+    assert run(["train", "--images", str(tmp_path / "img"), "--labels", str(tmp_path / "lab"), "--trees", "10",
+                "--out", str(tmp_path / "m")]) == 0  # the middle slice has no labels: fine
+    assert run(["apply", "--model", str(tmp_path / "m"), "--images", str(tmp_path / "img"), "--proba",
+                "--out", str(tmp_path / "out")]) == 0
+    masks = tifffile.imread(tmp_path / "out" / "vol_mask.tif")
+    assert masks.shape == stack.shape
+    seg = TrainableSegmenter.load(tmp_path / "m")
+    for z in range(3):  # each slice as the model segments that slice alone
+        np.testing.assert_array_equal(masks[z], seg.predict([stack[z]])[0])
+    assert tifffile.imread(tmp_path / "out" / "vol_proba_1.tif").shape == stack.shape
+    rows = (tmp_path / "out" / "area_fractions.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:4]] == ["vol.tif[0]", "vol.tif[1]", "vol.tif[2]"]
+    # Labels for slices that do not exist: an error naming both counts.
+    tifffile.imwrite(tmp_path / "lab" / "vol_labels.tif", np.concatenate([labels, labels]).astype(np.uint8),
+                     photometric="minisblack")
+    with pytest.raises(ValueError, match="is a stack of 6 slices but image .* is a stack of 3 slices"):
+        run(["train", "--images", str(tmp_path / "img"), "--labels", str(tmp_path / "lab"),
+             "--out", str(tmp_path / "m2")])

@@ -174,6 +174,7 @@ def _classifier_params(args):
 def _train(args) -> int:
     from ..images import read_array
     from ..trainable import TrainableSegmenter, read_labels
+    from ..trainable.io import as_label_image, read_slices
 
     if args.backbone is None and args.checkpoint:
         raise ValueError("--checkpoint needs --backbone NAME")
@@ -186,8 +187,18 @@ def _train(args) -> int:
     _check_out_folder(args.out)
     images, labels = [], []
     for img, lab in tqdm(pairs, desc="read", disable=len(pairs) < 2):
-        images.append(read_array(img))  # as stored: the segmenter scales them (and fits the range)
-        labels.append(read_labels(lab, images[-1].shape[:2]))
+        stack, label_stack = read_slices(img), read_slices(lab)
+        if stack is None and label_stack is None:
+            images.append(read_array(img))  # as stored: the segmenter scales them (and fits the range)
+            labels.append(read_labels(lab, images[-1].shape[:2]))
+            continue
+        if stack is None or label_stack is None or len(stack) != len(label_stack):
+            what = lambda s: "a single image" if s is None else f"a stack of {len(s)} slices"  # noqa: E731
+            raise ValueError(f"labels {lab} is {what(label_stack)} but image {img} is {what(stack)}: give one label "
+                             "slice per image slice (all 0 for slices without labels)")
+        for z, (image, label) in enumerate(zip(stack, label_stack)):  # slice by slice
+            images.append(image)
+            labels.append(as_label_image(label, image.shape[:2], source=f"labels {lab} slice {z}"))
     seg = TrainableSegmenter(args.backbone, args.classifier, args.crf or False, n_components=args.components,
                              classifier_params=_classifier_params(args),
                              intensity=args.intensity, device=args.device, seed=args.seed, progress=True,
@@ -205,8 +216,8 @@ def _apply(args) -> int:
 
     from ..images import read_array, scale_colour
     from ..trainable import TrainableSegmenter
-    from ..trainable.io import (area_fractions, list_image_files, overlay, write_colour_key, write_fractions_csv,
-                                write_mask, write_proba)
+    from ..trainable.io import (area_fractions, list_image_files, overlay, read_slices, write_colour_key,
+                                write_fractions_csv, write_mask, write_proba)
 
     files = list_image_files(args.images)
     _check_out_folder(args.out)
@@ -216,34 +227,47 @@ def _apply(args) -> int:
         seg.crf = {"on": "paper", "off": False}.get(args.crf, args.crf)
     k = int(seg.classes_.max())
     failed, names, counts = [], [], []
+
+    def read(path):
+        stack = read_slices(path)
+        return (stack, True) if stack is not None else ([read_array(path)], False)
+
     for path in files:  # a colour model given grayscale images (or the reverse) fails before any work
         try:
-            first = read_array(path)
+            first = read(path)[0][0]
         except (OSError, ValueError):
             continue  # reported in the loop below
         seg.check_channels(first, str(path))
         break
     for path in tqdm(files, desc="segment"):
         try:
-            array = read_array(path)
+            arrays, is_stack = read(path)
         except (OSError, ValueError) as err:  # one unreadable file must not cost the others their masks
             warnings.warn(f"skipped {path}: {err}")
             failed.append(path.name)
             continue
-        seg.check_channels(array, str(path))  # a colour model given grey images (or the reverse): an error
+        seg.check_channels(arrays[0], str(path))  # a colour model given grey images (or the reverse): an error
         try:
-            image01 = seg.scale(array, str(path))  # the model's intensity (its stored range)
+            scaled = [seg.scale(a, f"{path} slice {z}" if is_stack else str(path)) for z, a in enumerate(arrays)]
         except (OSError, ValueError) as err:  # one unreadable file must not cost the others their masks
             warnings.warn(f"skipped {path}: {err}")
             failed.append(path.name)
             continue
-        proba = seg.predict_proba([image01], scaled=True)[0]
-        mask = seg.classes_[proba.argmax(-1)]
+        probas = [seg.predict_proba([x], scaled=True)[0]
+                  for x in tqdm(scaled, desc=f"{path.name} slices", leave=False, disable=not is_stack)]
+        masks = [seg.classes_[p.argmax(-1)] for p in probas]
+        for z, mask in enumerate(masks):
+            names.append(f"{path.name}[{z}]" if is_stack else path.name)
+            counts.append((area_fractions(mask, seg.classes_)[0], mask.size))
+        if is_stack:  # written back as a stack: TIFF whatever --format says; no overlays
+            write_mask(args.out / f"{path.stem}_mask.tif", np.stack(masks), k)
+            if args.proba:
+                write_proba(args.out, path.stem, np.stack(probas), seg.classes_)
+            continue
+        array, image01, proba, mask = arrays[0], scaled[0], probas[0], masks[0]
         write_mask(args.out / f"{path.stem}_mask.{args.format}", mask, k)
         if args.proba:
             write_proba(args.out, path.stem, proba, seg.classes_)
-        names.append(path.name)
-        counts.append((area_fractions(mask, seg.classes_)[0], mask.size))
         if not args.no_overlay:
             from PIL import Image
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..images import check_intensity, load_grayscale
 
-__all__ = ["IMAGE_SUFFIXES", "area_fractions", "as_grayscale", "as_label_image", "list_image_files", "overlay",
+__all__ = ["IMAGE_SUFFIXES", "area_fractions", "read_slices", "as_grayscale", "as_label_image", "list_image_files", "overlay",
            "read_array", "read_grayscale", "read_labels", "to_unit_float", "write_colour_key", "write_fractions_csv",
            "write_mask",
            "write_proba"]
@@ -93,6 +93,31 @@ def read_array(path) -> np.ndarray:
         raise ValueError(f"cannot read image {path}: {err}") from err
 
 
+def read_slices(path) -> list[np.ndarray] | None:
+    """The slices of a multi-page TIFF stack (FIB-SEM, X-ray CT), each (H, W) or (H, W, 3|4) as stored,
+    or None when ``path`` holds a single image (any other file, or a TIFF of one page).
+
+    Every page of the file's first series is a slice (an ImageJ hyperstack's channels and times
+    too, in file order)."""
+    path = Path(path)
+    if path.suffix.lower() not in (".tif", ".tiff"):
+        return None
+    import tifffile
+
+    try:
+        with tifffile.TiffFile(path) as tif:
+            if len(tif.pages) < 2:
+                return None
+            series = tif.series[0]
+            page_shape = tuple(tif.pages[0].shape)
+            array = series.asarray()
+    except (OSError, ValueError, tifffile.TiffFileError) as err:
+        raise ValueError(f"cannot read image {path}: {err}") from err
+    if array.size % int(np.prod(page_shape)):
+        raise ValueError(f"stack {path}: its pages differ in size ({series.shape}); save slices of one size")
+    return list(array.reshape((-1,) + page_shape))
+
+
 def read_grayscale(path, intensity: str = "auto") -> np.ndarray:
     """Read an image file (PNG, TIFF incl. 16-bit, JPEG) as (H, W) float32 in [0, 1]; see :func:`to_unit_float`."""
     return load_grayscale(Path(path), check_intensity(intensity))
@@ -165,7 +190,7 @@ def write_mask(path, mask: np.ndarray, k: int | None = None) -> Path:
     if path.suffix.lower() in (".tif", ".tiff"):
         import tifffile
 
-        tifffile.imwrite(path, mask.astype(dtype))
+        tifffile.imwrite(path, mask.astype(dtype), photometric="minisblack")  # a (Z, H, W) stack: one page a slice
     else:
         from PIL import Image
 
@@ -201,7 +226,8 @@ def write_colour_key(path, classes, k: int | None = None, names=None) -> Path:
 
 
 def write_proba(folder, stem: str, proba: np.ndarray, classes) -> list[Path]:
-    """One float32 TIFF per class, ``<stem>_proba_<class value>.tif``, of the (H, W, K) probabilities."""
+    """One float32 TIFF per class, ``<stem>_proba_<class value>.tif``, of the (H, W, K) probabilities
+    (or (Z, H, W, K) of a stack: one page per slice)."""
     import tifffile
 
     folder = Path(folder)
@@ -209,7 +235,7 @@ def write_proba(folder, stem: str, proba: np.ndarray, classes) -> list[Path]:
     paths = []
     for j, c in enumerate(classes):
         paths.append(folder / f"{stem}_proba_{int(c)}.tif")
-        tifffile.imwrite(paths[-1], np.ascontiguousarray(proba[..., j], dtype=np.float32))
+        tifffile.imwrite(paths[-1], np.ascontiguousarray(proba[..., j], dtype=np.float32), photometric="minisblack")
     return paths
 
 
