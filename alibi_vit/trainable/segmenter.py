@@ -20,7 +20,8 @@ import numpy as np
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from .classical import DEFAULT_SIGMAS, SIGMA_SCALE, classical_feature_names, classical_features_chw, halo
+from .classical import (DEFAULT_SIGMAS, SIGMA_SCALE, classical_feature_names, classical_features_chw,
+                        classical_features_torch, halo)
 from .classifier import CLASSIFIERS, balanced_weights, load_classifier, make_classifier
 from .crf import CRF_DEFAULTS, CRF_PRESETS, dense_crf_tiled
 from ..images import INTENSITY_MODES, fit_intensity_range, scale_colour, scale_to_range
@@ -119,6 +120,10 @@ class TrainableSegmenter:
         goes.
     feature_dtype: dtype the gathered training features are stored in (float32; float16 halves memory).
     device: where the backbone runs ("cuda" when available, else "cpu").
+    classical_backend: "auto" (default: the torch filter bank on a CUDA ``device``, scipy otherwise;
+        torch on CPU is slower than scipy), "scipy" or "torch"
+        (:func:`~alibi_vit.trainable.classical.classical_features_torch`, equal to float32 rounding).
+        A runtime choice, not saved with the model.
     seed: seeds subsampling and the classifier. progress: show progress bars.
     """
 
@@ -127,11 +132,13 @@ class TrainableSegmenter:
                  crf_params: dict | None = None, sigmas=DEFAULT_SIGMAS, sigma_scale: float = SIGMA_SCALE,
                  n_components: int = 9, vit_tile: int = 518, vit_overlap: int = 56, intensity: str = "training",
                  tile: int = 1036, max_samples: int = 500_000, feature_dtype=np.float32, device=None, seed: int = 0,
-                 progress: bool = False, colour: str = "channels"):
+                 progress: bool = False, colour: str = "channels", classical_backend: str = "auto"):
         if classifier not in CLASSIFIERS:
             raise ValueError(f"classifier must be one of {CLASSIFIERS}, got {classifier!r}")
         if intensity not in INTENSITY:
             raise ValueError(f"unknown intensity mode {intensity!r}; choose one of {', '.join(INTENSITY)}")
+        if classical_backend not in ("auto", "scipy", "torch"):
+            raise ValueError(f"classical_backend must be auto, scipy or torch, got {classical_backend!r}")
         if colour not in COLOUR:
             raise ValueError(f"colour must be one of {', '.join(COLOUR)}, got {colour!r}")
         if crf_params and set(crf_params) - set(CRF_DEFAULTS):
@@ -152,6 +159,8 @@ class TrainableSegmenter:
         self.n_components, self.vit_tile, self.vit_overlap = int(n_components), int(vit_tile), int(vit_overlap)
         self.intensity, self.tile, self.max_samples = intensity, _round_up(int(tile), PATCH_ALIGN), int(max_samples)
         self.feature_dtype, self.seed, self.progress = np.dtype(feature_dtype), int(seed), progress
+        on_gpu = str(self.device).startswith("cuda")
+        self.classical_torch = classical_backend == "torch" or (classical_backend == "auto" and on_gpu)
         self.colour, self.channels_ = colour, None  # channels_: 1 or 3, set by fit() (what the model accepts)
         self.intensity_range = None  # (lo, hi) in stored grey values, fitted by fit() with intensity="training"
         self.backbone_spec = None
@@ -251,8 +260,14 @@ class TrainableSegmenter:
         R0, R1, C0, C1 = max(r0 - g, 0), min(r1 + g, h), max(c0 - g, 0), min(c1 + g, w)
         crop = image01[R0:R1, C0:C1]
         channels = [crop] if crop.ndim == 2 else [crop[..., c] for c in range(crop.shape[-1])]
-        feats = np.concatenate([classical_features_chw(ch, self.sigmas, sigma_scale=self.sigma_scale, intensity=None)
-                                for ch in channels])[:, r0 - R0:r1 - R0, c0 - C0:c1 - C0]
+        if self.classical_torch:
+            feats = [classical_features_torch(ch, self.sigmas, sigma_scale=self.sigma_scale,
+                                              device=self.device if str(self.device).startswith("cuda") else "cpu")
+                     for ch in channels]
+        else:
+            feats = [classical_features_chw(ch, self.sigmas, sigma_scale=self.sigma_scale, intensity=None)
+                     for ch in channels]
+        feats = np.concatenate(feats)[:, r0 - R0:r1 - R0, c0 - C0:c1 - C0]
         if vit_map is None:
             return feats
         p = int(self.vit.model.patch_embed.patch_size[0])
