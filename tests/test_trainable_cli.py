@@ -319,3 +319,19 @@ def test_stacks_are_segmented_slice_by_slice_and_written_back_as_stacks(tmp_path
     with pytest.raises(ValueError, match="is a stack of 6 slices but image .* is a stack of 3 slices"):
         run(["train", "--images", str(tmp_path / "img"), "--labels", str(tmp_path / "lab"),
              "--out", str(tmp_path / "m2")])
+
+
+def test_modal_option_filters_the_written_masks(files, tmp_path):
+    from alibi_vit.trainable.segmenter import modal_filter
+
+    root, _ = files
+    assert run(["train", "--images", str(root / "images"), "--labels", str(root / "labels"), "--trees", "5",
+                "--modal", "5", "--out", str(tmp_path / "m")]) == 0
+    image = str(root / "images" / "m0.tif")
+    assert run(["apply", "--model", str(tmp_path / "m"), "--images", image, "--out", str(tmp_path / "a")]) == 0
+    assert run(["apply", "--model", str(tmp_path / "m"), "--images", image, "--modal", "0",
+                "--out", str(tmp_path / "b")]) == 0
+    filtered, raw = (np.asarray(Image.open(tmp_path / d / "m0_mask.png")) for d in ("a", "b"))
+    np.testing.assert_array_equal(filtered, modal_filter(raw, 5))
+    with pytest.raises(ValueError, match="--modal must be 0 or an odd"):
+        run(["apply", "--model", str(tmp_path / "m"), "--images", image, "--modal", "4", "--out", str(tmp_path / "c")])

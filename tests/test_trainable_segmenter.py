@@ -404,3 +404,46 @@ def test_format_1_crf_true_loads_as_the_library_preset(tmp_path, data):
     loaded = TrainableSegmenter.load(tmp_path / "m")
     assert loaded.crf == "library"
     np.testing.assert_array_equal(loaded.predict(te[:1])[0], seg.predict(te[:1])[0])
+
+
+def test_modal_filter_is_the_window_majority_with_ties_to_the_smallest():
+    from alibi_vit.trainable.segmenter import modal_filter
+
+    mask = np.random.default_rng(7).choice([1, 2, 9], size=(13, 11))
+    padded = np.pad(mask, 2, mode="symmetric")  # scipy's "reflect"
+    expected = np.empty_like(mask)
+    for r in range(mask.shape[0]):
+        for c in range(mask.shape[1]):
+            vals, counts = np.unique(padded[r:r + 5, c:c + 5], return_counts=True)
+            expected[r, c] = vals[np.argmax(counts)]  # argmax takes the first (smallest) of tied values
+    np.testing.assert_array_equal(modal_filter(mask, 5), expected)
+    with pytest.raises(ValueError, match="odd"):
+        modal_filter(mask, 4)
+
+
+def user_features(image01):
+    """A user feature hook for the tests: the image squared and a constant."""
+    return np.stack([image01 ** 2, np.full(image01.shape, 0.5, np.float32)], -1)
+
+
+def test_user_feature_hook_is_appended_and_saved_by_import_path(tmp_path, data):
+    tr, trm, labels, te, _ = data
+    seg = TrainableSegmenter(**FAST, feature_fn=user_features, modal=3).fit(tr, labels)
+    f = seg.features(te[0])
+    x = seg.scale(te[0])
+    n = len(classical_feature_names((0, 1, 4)))
+    np.testing.assert_array_equal(f[..., n:], user_features(x))
+    np.testing.assert_allclose(f[..., :n], TrainableSegmenter(**FAST, intensity="dtype").features(x), atol=1e-6)
+    assert seg.feature_names[-2:] == ["user_0", "user_1"]
+    seg.save(tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["feature_fn"].endswith("test_trainable_segmenter:user_features") and cfg["modal"] == 3
+    loaded = TrainableSegmenter.load(tmp_path / "m")
+    np.testing.assert_array_equal(loaded.predict(te)[0], seg.predict(te)[0])
+    from alibi_vit.trainable.segmenter import modal_filter
+
+    np.testing.assert_array_equal(seg.predict(te)[0], modal_filter(seg.classes_[seg.predict_proba(te)[0].argmax(-1)], 3))
+    with pytest.raises(ValueError, match="cannot be saved by import path"):
+        TrainableSegmenter(feature_fn=lambda im: im[..., None])
+    with pytest.raises(ValueError, match="cannot be imported"):
+        TrainableSegmenter(feature_fn="no_such_module_xyz:f")

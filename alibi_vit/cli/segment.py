@@ -67,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="label images: 0 = unlabelled, 1..K = classes, paired with the images by file name")
     _add_backbone_arguments(t, several=False)
     _add_common(t)
+    t.add_argument("--features", default=None, metavar="MODULE:FUNCTION",
+                   help="user feature hook: a function taking the scaled image ((H, W) or (H, W, 3) floats in "
+                        "[0, 1]) and returning (H, W, F) features; stored by import path, never pickled")
+    t.add_argument("--modal", type=int, default=0, metavar="N",
+                   help="majority (modal) filter of odd window N px on the masks (default 0: none)")
     t.add_argument("--colour", choices=("channels", "grey"), default="channels",
                    help="colour images: featurised per channel (default; the model then takes colour images only) "
                         "or converted to grey (luma)")
@@ -85,6 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--crf", choices=("model", "on", "off", "paper", "library"), default="model",
                    help="dense-CRF clean-up: as the model was trained (default), on (preset paper), off, or a "
                         "preset (paper, library)")
+    a.add_argument("--modal", type=int, default=None, metavar="N",
+                   help="majority filter of odd window N px (0: none; default: as the model was trained)")
     a.add_argument("--device", default=None)
     b = sub.add_parser("benchmark", help=ACTIONS["benchmark"], description=ACTIONS["benchmark"])
     for name in ("train-images", "train-masks", "test-images", "test-masks"):
@@ -202,7 +209,7 @@ def _train(args) -> int:
     seg = TrainableSegmenter(args.backbone, args.classifier, args.crf or False, n_components=args.components,
                              classifier_params=_classifier_params(args),
                              intensity=args.intensity, device=args.device, seed=args.seed, progress=True,
-                             colour=args.colour, **backbone_kwargs)
+                             colour=args.colour, feature_fn=args.features, modal=args.modal, **backbone_kwargs)
     seg.fit(images, labels)
     seg.save(args.out)
     counts = np.bincount(np.concatenate([lab[lab > 0] for lab in labels]))
@@ -223,6 +230,10 @@ def _apply(args) -> int:
     _check_out_folder(args.out)
     seg = TrainableSegmenter.load(args.model, device=args.device)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.modal is not None:
+        if args.modal < 0 or (args.modal and args.modal % 2 == 0):
+            raise ValueError(f"--modal must be 0 or an odd window size, got {args.modal}")
+        seg.modal = args.modal
     if args.crf != "model":
         seg.crf = {"on": "paper", "off": False}.get(args.crf, args.crf)
     k = int(seg.classes_.max())
@@ -255,7 +266,7 @@ def _apply(args) -> int:
             continue
         probas = [seg.predict_proba([x], scaled=True)[0]
                   for x in tqdm(scaled, desc=f"{path.name} slices", leave=False, disable=not is_stack)]
-        masks = [seg.classes_[p.argmax(-1)] for p in probas]
+        masks = [seg.mask_from_proba(p) for p in probas]
         for z, mask in enumerate(masks):
             names.append(f"{path.name}[{z}]" if is_stack else path.name)
             counts.append((area_fractions(mask, seg.classes_)[0], mask.size))

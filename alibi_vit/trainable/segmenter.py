@@ -12,6 +12,7 @@ bounded for any image size.
 
 from __future__ import annotations
 
+import importlib
 import json
 import warnings
 from pathlib import Path
@@ -27,7 +28,7 @@ from .crf import CRF_DEFAULTS, CRF_PRESETS, dense_crf_tiled
 from ..images import INTENSITY_MODES, fit_intensity_range, scale_colour, scale_to_range
 from .io import as_grayscale, as_label_image, to_unit_float
 
-__all__ = ["INTENSITY", "TrainableSegmenter", "sample_quotas"]
+__all__ = ["INTENSITY", "TrainableSegmenter", "modal_filter", "resolve_feature_fn", "sample_quotas"]
 
 FORMAT_VERSION = 2  # 2: intensity "training" with its fitted range stored; 1 (per-image modes only) still loads
 READABLE_FORMATS = (1, 2)
@@ -78,6 +79,44 @@ def sample_quotas(counts, cap: int) -> np.ndarray:
     return keep
 
 
+def resolve_feature_fn(spec):
+    """(import path "module:function", the function) of a user feature hook given as either."""
+    if callable(spec):
+        module, name = getattr(spec, "__module__", None), getattr(spec, "__qualname__", "")
+        if not module or "<" in name or module == "__main__":
+            raise ValueError(f"feature_fn {spec!r} cannot be saved by import path: define it at the top level of an "
+                             "importable module (the model stores 'module:function', never a pickle)")
+        spec = f"{module}:{name}"
+    if not isinstance(spec, str) or spec.count(":") != 1:
+        raise ValueError(f"feature_fn must be a function or 'module:function', got {spec!r}")
+    module, name = spec.split(":")
+    try:
+        fn = importlib.import_module(module)
+        for part in name.split("."):
+            fn = getattr(fn, part)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"feature_fn {spec!r} cannot be imported ({err})") from None
+    if not callable(fn):
+        raise ValueError(f"feature_fn {spec!r} is not callable")
+    return spec, fn
+
+
+def modal_filter(mask: np.ndarray, size: int) -> np.ndarray:
+    """Majority (modal) filter: each pixel takes the most frequent value in the size×size window
+    around it (borders mirrored, scipy's "reflect"); ties go to the smallest value."""
+    from scipy import ndimage as ndi
+
+    if size < 1 or size % 2 == 0:
+        raise ValueError(f"the modal filter's size must be odd and positive, got {size}")
+    best_count = np.full(mask.shape, -1.0, np.float32)
+    best = np.zeros_like(mask)
+    for v in np.unique(mask):  # ascending: a later value must beat, not tie, the count so far
+        count = ndi.uniform_filter((mask == v).astype(np.float32), size, mode="reflect")
+        better = count > best_count + 1e-4 / (size * size)  # counts are multiples of 1/size²: beat by a pixel
+        best[better], best_count[better] = v, count[better]
+    return best
+
+
 def _as_list(items, what: str) -> list:
     """A list of images: one 2D (or (H, W, 3|4) RGB) array counts as one image; other arrays are ambiguous."""
     if isinstance(items, np.ndarray):
@@ -120,6 +159,11 @@ class TrainableSegmenter:
         goes.
     feature_dtype: dtype the gathered training features are stored in (float32; float16 halves memory).
     device: where the backbone runs ("cuda" when available, else "cpu").
+    feature_fn: a user feature hook: a function (defined at the top level of an importable module)
+        or its import path "module:function", called on each image as scaled (float32 in [0, 1],
+        (H, W) or (H, W, 3)) and returning (H, W, F) features appended to the others. Saved by
+        import path, never pickled; it runs on the whole image (not tiled).
+    modal: post-processing of predict(): a majority filter of this odd window size (0: none).
     classical_backend: "auto" (default: the torch filter bank on a CUDA ``device``, scipy otherwise;
         torch on CPU is slower than scipy), "scipy" or "torch"
         (:func:`~alibi_vit.trainable.classical.classical_features_torch`, equal to float32 rounding).
@@ -132,13 +176,19 @@ class TrainableSegmenter:
                  crf_params: dict | None = None, sigmas=DEFAULT_SIGMAS, sigma_scale: float = SIGMA_SCALE,
                  n_components: int = 9, vit_tile: int = 518, vit_overlap: int = 56, intensity: str = "training",
                  tile: int = 1036, max_samples: int = 500_000, feature_dtype=np.float32, device=None, seed: int = 0,
-                 progress: bool = False, colour: str = "channels", classical_backend: str = "auto"):
+                 progress: bool = False, colour: str = "channels", classical_backend: str = "auto",
+                 feature_fn=None, modal: int = 0):
         if classifier not in CLASSIFIERS:
             raise ValueError(f"classifier must be one of {CLASSIFIERS}, got {classifier!r}")
         if intensity not in INTENSITY:
             raise ValueError(f"unknown intensity mode {intensity!r}; choose one of {', '.join(INTENSITY)}")
         if classical_backend not in ("auto", "scipy", "torch"):
             raise ValueError(f"classical_backend must be auto, scipy or torch, got {classical_backend!r}")
+        self.feature_fn, self._feature_fn = resolve_feature_fn(feature_fn) if feature_fn is not None else (None, None)
+        self.n_user_features = None  # set by fit()
+        if modal and (modal < 0 or modal % 2 == 0):
+            raise ValueError(f"modal must be 0 (off) or an odd window size, got {modal}")
+        self.modal = int(modal or 0)
         if colour not in COLOUR:
             raise ValueError(f"colour must be one of {', '.join(COLOUR)}, got {colour!r}")
         if crf_params and set(crf_params) - set(CRF_DEFAULTS):
@@ -196,7 +246,9 @@ class TrainableSegmenter:
         names = classical_feature_names(self.sigmas)
         if channels > 1:
             names = [f"{n}_{ch}" for ch in CHANNEL_NAMES[:channels] for n in names]
-        return names + [f"vit_pc{i}" for i in range(self.n_components)] if self.vit is not None else names
+        if self.vit is not None:
+            names = names + [f"vit_pc{i}" for i in range(self.n_components)]
+        return names + [f"user_{i}" for i in range(self.n_user_features or 0)]
 
     def check_channels(self, image, source: str = "image"):
         """A clear ValueError when a colour model gets a grayscale image or the reverse."""
@@ -241,11 +293,24 @@ class TrainableSegmenter:
         return [self.scale(im, f"{source} {i}") for i, im in enumerate(images)]
 
     def _vit_map(self, image01, patch_feats=None):
+        """(ViT map or None, user features (F, H, W) or None) of one scaled image."""
+        user = None
+        if self._feature_fn is not None:
+            u = np.asarray(self._feature_fn(image01), np.float32)
+            if u.ndim == 2:
+                u = u[..., None]
+            if u.ndim != 3 or u.shape[:2] != image01.shape[:2]:
+                raise ValueError(f"feature_fn {self.feature_fn} returned shape {u.shape}; expected (H, W, F) with "
+                                 f"(H, W) = {image01.shape[:2]}")
+            if self.n_user_features is not None and u.shape[-1] != self.n_user_features:
+                raise ValueError(f"feature_fn {self.feature_fn} returned {u.shape[-1]} features; the model was "
+                                 f"trained with {self.n_user_features}")
+            user = np.moveaxis(u, -1, 0)
         if self.vit is None:
-            return None
+            return None, user
         if patch_feats is None:
             patch_feats = self.vit.patch_features(image01)
-        return self.vit.project(patch_feats)
+        return self.vit.project(patch_feats), user
 
     def _regions(self, shape):
         h, w = shape
@@ -253,7 +318,7 @@ class TrainableSegmenter:
             for c0 in range(0, w, self.tile):
                 yield r0, min(r0 + self.tile, h), c0, min(c0 + self.tile, w)
 
-    def _region_features(self, image01, vit_map, r0, r1, c0, c1) -> np.ndarray:
+    def _region_features(self, image01, maps, r0, r1, c0, c1) -> np.ndarray:
         """(F, r1-r0, c1-c0) features of a core region, computed on it plus its halo."""
         h, w = image01.shape[:2]
         g = self.halo
@@ -267,11 +332,14 @@ class TrainableSegmenter:
         else:
             feats = [classical_features_chw(ch, self.sigmas, sigma_scale=self.sigma_scale, intensity=None)
                      for ch in channels]
-        feats = np.concatenate(feats)[:, r0 - R0:r1 - R0, c0 - C0:c1 - C0]
-        if vit_map is None:
-            return feats
-        p = int(self.vit.model.patch_embed.patch_size[0])
-        return np.concatenate([feats, _upsample_region(vit_map, p, r0, r1, c0, c1)])
+        feats = [np.concatenate(feats)[:, r0 - R0:r1 - R0, c0 - C0:c1 - C0]]
+        vit_map, user = maps
+        if vit_map is not None:
+            p = int(self.vit.model.patch_embed.patch_size[0])
+            feats.append(_upsample_region(vit_map, p, r0, r1, c0, c1))
+        if user is not None:
+            feats.append(user[:, r0:r1, c0:c1])
+        return np.concatenate(feats) if len(feats) > 1 else feats[0]
 
     def features(self, image) -> np.ndarray:
         """(H, W, F) per-pixel features of one image as the classifier sees them (whole image in memory)."""
@@ -279,7 +347,9 @@ class TrainableSegmenter:
             raise ValueError("the ViT PCA is fitted by fit(): call fit() before features() with a backbone")
         (x,) = self._prepare([image])
         vit_map = self._vit_map(x)
-        out = np.empty((len(self._feature_names(1 if x.ndim == 2 else x.shape[-1])),) + x.shape[:2], np.float32)
+        n_user = 0 if vit_map[1] is None else vit_map[1].shape[0]
+        n = len(self._feature_names(1 if x.ndim == 2 else x.shape[-1])) - (self.n_user_features or 0) + n_user
+        out = np.empty((n,) + x.shape[:2], np.float32)
         for r0, r1, c0, c1 in self._regions(x.shape[:2]):
             out[:, r0:r1, c0:c1] = self._region_features(x, vit_map, r0, r1, c0, c1)
         return np.moveaxis(out, 0, -1)
@@ -309,6 +379,10 @@ class TrainableSegmenter:
             warnings.warn(f"label values {', '.join(str(int(c)) for c in classes)} are not 1..{len(classes)}: each "
                           "value is a class, and masks are written with these same values", stacklevel=2)
         self.classes_ = classes
+        self.n_user_features = None
+        if self._feature_fn is not None:  # its feature count, from the first training image
+            u = np.asarray(self._feature_fn(xs[0]))
+            self.n_user_features = 1 if u.ndim == 2 else int(u.shape[-1])
         picks = self._sample(ys, classes)
         patch_feats = None
         if self.vit is not None:
@@ -320,7 +394,7 @@ class TrainableSegmenter:
         for i, (x, y) in enumerate(tqdm(list(zip(xs, ys)), desc="features", disable=not self.progress)):
             if not picks[i].any():
                 continue
-            vit_map = self._vit_map(x, patch_feats[i]) if patch_feats is not None else None
+            vit_map = self._vit_map(x, patch_feats[i] if patch_feats is not None else None)
             for r0, r1, c0, c1 in self._regions(x.shape[:2]):
                 sel = picks[i][r0:r1, c0:c1]
                 m = int(sel.sum())
@@ -387,8 +461,13 @@ class TrainableSegmenter:
         in :meth:`predict_proba`."""
         self._check_fitted()
         xs = _as_list(images, "images") if scaled else self._prepare(images)
-        return [self.classes_[self._proba_one(x).argmax(-1)]
-                for x in tqdm(xs, desc="segment", disable=not self.progress)]
+        return [self.mask_from_proba(self._proba_one(x)) for x in tqdm(xs, desc="segment", disable=not self.progress)]
+
+    def mask_from_proba(self, proba: np.ndarray) -> np.ndarray:
+        """(H, W) class values from (H, W, K) probabilities: the most probable class, then the modal
+        filter when ``modal`` is set."""
+        mask = self.classes_[proba.argmax(-1)]
+        return modal_filter(mask, self.modal) if self.modal else mask
 
     # ---- persistence ----------------------------------------------------------------------
     def config(self) -> dict:
@@ -401,7 +480,8 @@ class TrainableSegmenter:
                 "tile": self.tile,
                 "max_samples": self.max_samples, "feature_dtype": self.feature_dtype.name, "seed": self.seed,
                 "backbone": self.backbone_spec, "feature_names": self.feature_names, "colour": self.colour,
-                "channels": self.channels_}
+                "channels": self.channels_, "feature_fn": self.feature_fn, "n_user_features": self.n_user_features,
+                "modal": self.modal}
 
     def save(self, path) -> Path:
         """Write the model folder: config.json, classifier.json (XGBoost's JSON format), and with a
@@ -462,8 +542,10 @@ class TrainableSegmenter:
                   n_components=cfg["n_components"], vit_tile=cfg["vit_tile"], vit_overlap=cfg["vit_overlap"],
                   intensity=cfg["intensity"], tile=cfg["tile"], max_samples=cfg["max_samples"],
                   feature_dtype=cfg["feature_dtype"], device=device, seed=cfg["seed"], progress=progress,
-                  colour=cfg.get("colour", "grey"), **kwargs)  # format 1: colour became grey
+                  colour=cfg.get("colour", "grey"), feature_fn=cfg.get("feature_fn"), modal=cfg.get("modal", 0),
+                  **kwargs)  # format 1: colour became grey
         seg.channels_ = cfg.get("channels", 1)
+        seg.n_user_features = cfg.get("n_user_features")
         if spec is not None and "name" in spec and spec["checkpoint"] == "backbone.safetensors":
             # Weights saved with the model (a random-init backbone): a later save() writes them again.
             seg.backbone_spec = {**spec, "checkpoint": None}
