@@ -335,3 +335,18 @@ def test_modal_option_filters_the_written_masks(files, tmp_path):
     np.testing.assert_array_equal(filtered, modal_filter(raw, 5))
     with pytest.raises(ValueError, match="--modal must be 0 or an odd"):
         run(["apply", "--model", str(tmp_path / "m"), "--images", image, "--modal", "4", "--out", str(tmp_path / "c")])
+
+
+def test_recursive_apply_mirrors_subfolders(files, trained_model, tmp_path):
+    root, masks = files
+    (tmp_path / "in" / "sub").mkdir(parents=True)
+    (tmp_path / "in" / "m0.tif").write_bytes((root / "images" / "m0.tif").read_bytes())
+    (tmp_path / "in" / "sub" / "m1.tif").write_bytes((root / "images" / "m1.tif").read_bytes())
+    assert run(["apply", "--model", str(trained_model), "--images", str(tmp_path / "in"), "--out", str(tmp_path / "a")]) == 0
+    assert not (tmp_path / "a" / "sub").exists()  # not recursive by default
+    assert run(["apply", "--model", str(trained_model), "--images", str(tmp_path / "in"), "--recursive",
+                "--out", str(tmp_path / "b")]) == 0
+    assert (tmp_path / "b" / "m0_mask.png").is_file() and (tmp_path / "b" / "sub" / "m1_mask.png").is_file()
+    assert (tmp_path / "b" / "sub" / "m1_overlay.png").is_file()
+    names = [r.split(",")[0] for r in (tmp_path / "b" / "area_fractions.csv").read_text().splitlines()[1:]]
+    assert names == ["m0.tif", "sub/m1.tif", "mean", "std"]

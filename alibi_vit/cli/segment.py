@@ -83,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--model", type=Path, required=True, metavar="MODEL_DIR")
     a.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE")
     a.add_argument("--out", type=Path, required=True, metavar="DIR")
+    a.add_argument("--recursive", action="store_true",
+                   help="also segment images in subfolders of the --images folders; outputs mirror the subfolders")
     a.add_argument("--format", choices=("png", "tif"), default="png", help="mask file format")
     a.add_argument("--no-overlay", action="store_true", help="write only the masks, no overlay PNGs")
     a.add_argument("--proba", action="store_true",
@@ -226,7 +228,12 @@ def _apply(args) -> int:
     from ..trainable.io import (area_fractions, list_image_files, overlay, read_slices, write_colour_key,
                                 write_fractions_csv, write_mask, write_proba)
 
-    files = list_image_files(args.images)
+    files, where = [], {}  # where: image → (output folder, name in the CSV)
+    for src in args.images:
+        for f in list_image_files([src], recursive=args.recursive):
+            rel = f.relative_to(src) if Path(src).is_dir() else Path(f.name)
+            files.append(f)
+            where[f] = (args.out / rel.parent, rel.as_posix())
     _check_out_folder(args.out)
     seg = TrainableSegmenter.load(args.model, device=args.device)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -267,24 +274,25 @@ def _apply(args) -> int:
         probas = [seg.predict_proba([x], scaled=True)[0]
                   for x in tqdm(scaled, desc=f"{path.name} slices", leave=False, disable=not is_stack)]
         masks = [seg.mask_from_proba(p) for p in probas]
+        dest = where[path][0]
         for z, mask in enumerate(masks):
-            names.append(f"{path.name}[{z}]" if is_stack else path.name)
+            names.append(f"{where[path][1]}[{z}]" if is_stack else where[path][1])
             counts.append((area_fractions(mask, seg.classes_)[0], mask.size))
         if is_stack:  # written back as a stack: TIFF whatever --format says; no overlays
-            write_mask(args.out / f"{path.stem}_mask.tif", np.stack(masks), k)
+            write_mask(dest / f"{path.stem}_mask.tif", np.stack(masks), k)
             if args.proba:
-                write_proba(args.out, path.stem, np.stack(probas), seg.classes_)
+                write_proba(dest, path.stem, np.stack(probas), seg.classes_)
             continue
         array, image01, proba, mask = arrays[0], scaled[0], probas[0], masks[0]
-        write_mask(args.out / f"{path.stem}_mask.{args.format}", mask, k)
+        write_mask(dest / f"{path.stem}_mask.{args.format}", mask, k)
         if args.proba:
-            write_proba(args.out, path.stem, proba, seg.classes_)
+            write_proba(dest, path.stem, proba, seg.classes_)
         if not args.no_overlay:
             from PIL import Image
 
             # Colour images are shown in their own colours (by dtype), grayscale as the model scaled it.
             shown = scale_colour(array, "auto", str(path)) if image01.ndim == 3 else image01
-            Image.fromarray(overlay(shown, mask, 0.4, k)).save(args.out / f"{path.stem}_overlay.png")
+            Image.fromarray(overlay(shown, mask, 0.4, k)).save(dest / f"{path.stem}_overlay.png")
     if names:
         write_fractions_csv(args.out / "area_fractions.csv", names, counts, seg.classes_)
         write_colour_key(args.out / "colour_key.png", seg.classes_, k)

@@ -137,15 +137,17 @@ def read_labels(path, shape=None) -> np.ndarray:
     return as_label_image(read_array(path), shape, source=f"labels {path}")
 
 
-def list_image_files(sources) -> list[Path]:
-    """Image files from folders (their images, sorted, not recursive) and/or file paths, in order."""
+def list_image_files(sources, recursive: bool = False) -> list[Path]:
+    """Image files from folders (their images, sorted; with ``recursive`` also those in subfolders)
+    and/or file paths, in order."""
     if isinstance(sources, (str, Path)):
         sources = [sources]
     files = []
     for src in sources:
         src = Path(src)
         if src.is_dir():
-            found = sorted(p for p in src.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+            found = sorted(p for p in (src.rglob("*") if recursive else src.iterdir())
+                           if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
             if not found:
                 raise FileNotFoundError(f"folder {src} holds no images ({', '.join(IMAGE_SUFFIXES)})")
             files.extend(found)
