@@ -5,8 +5,8 @@
     alibi-vit segment apply --model MODEL_DIR --images DIR_OR_FILES --out DIR
     alibi-vit segment benchmark (--synthetic | --train-images ... --train-masks ... --test-images ... --test-masks ...)
 
-Label images hold 0 for unlabelled pixels and 1..K for the classes (single-channel or palette
-PNG/TIFF, the Weka/ilastik convention); a label file pairs with the image of the same name, or of
+Label images hold 0 for unlabelled pixels and a value per class, usually 1..K (single-channel or
+palette PNG/TIFF, the Weka/ilastik convention; JPEG is refused; multi-page TIFF stacks slice by slice); a label file pairs with the image of the same name, or of
 the same name plus ``_labels``/``_label``/``_mask``/``_masks``/``_gt``.
 """
 
