@@ -205,6 +205,9 @@ def test_training_intensity_is_fitted_once_stored_and_applied_unchanged(tmp_path
     cut[:, 48:] = cut[:, :48].min()
     np.testing.assert_array_equal(loaded.scale(cut)[:, :48], loaded.scale(te[0])[:, :48])
     np.testing.assert_array_equal(loaded.predict_proba(te)[1], seg.predict_proba(te)[1])
+    assert cfg["intensity_dtype"] == "uint16"
+    with pytest.warns(UserWarning, match="is uint8 but the model was trained on uint16 images"):
+        loaded.scale((te[0] >> 4).astype(np.uint8))
     # predict(scaled=True) on the stored transform's output is predict() on the raw image.
     np.testing.assert_array_equal(loaded.predict([expected.astype(np.float32)], scaled=True)[0],
                                   loaded.predict([te[0]])[0])

@@ -212,6 +212,8 @@ class TrainableSegmenter:
         on_gpu = str(self.device).startswith("cuda")
         self.classical_torch = classical_backend == "torch" or (classical_backend == "auto" and on_gpu)
         self.colour, self.channels_ = colour, None  # channels_: 1 or 3, set by fit() (what the model accepts)
+        self.intensity_dtype = None  # the training images' dtype when they share one (intensity="training")
+        self._dtype_warned = False
         self.intensity_range = None  # (lo, hi) in stored grey values, fitted by fit() with intensity="training"
         self.backbone_spec = None
         self.vit = None
@@ -273,6 +275,11 @@ class TrainableSegmenter:
             return scale_colour(image, self.intensity, source) if keep else to_unit_float(image, self.intensity, source)
         if self.intensity_range is None:
             raise ValueError('intensity="training" is fitted by fit(): call fit() or load() first')
+        if self.intensity_dtype and image.dtype.name != self.intensity_dtype and not self._dtype_warned:
+            self._dtype_warned = True
+            warnings.warn(f"{source} is {image.dtype.name} but the model was trained on {self.intensity_dtype} "
+                          f"images: its stored intensity range {self.intensity_range} is in {self.intensity_dtype} "
+                          "values; convert the images or retrain", stacklevel=2)
         return scale_to_range(image, *self.intensity_range, source=source, colour=keep)
 
     def _prepare(self, images, source="image", fit: bool = False):
@@ -288,6 +295,8 @@ class TrainableSegmenter:
                 self.channels_ = 3 if kinds == {3} else 1
             else:
                 self.channels_ = 1
+            dtypes = {im.dtype.name for im in images}
+            self.intensity_dtype = dtypes.pop() if len(dtypes) == 1 and self.intensity == "training" else None
             if self.intensity == "training":
                 self.intensity_range = fit_intensity_range(images, seed=self.seed, colour=self.colour == "channels")
         return [self.scale(im, f"{source} {i}") for i, im in enumerate(images)]
@@ -477,6 +486,7 @@ class TrainableSegmenter:
                 "sigma_scale": self.sigma_scale, "n_components": self.n_components, "vit_tile": self.vit_tile,
                 "vit_overlap": self.vit_overlap, "intensity": self.intensity,
                 "intensity_range": None if self.intensity_range is None else list(self.intensity_range),
+                "intensity_dtype": self.intensity_dtype,
                 "tile": self.tile,
                 "max_samples": self.max_samples, "feature_dtype": self.feature_dtype.name, "seed": self.seed,
                 "backbone": self.backbone_spec, "feature_names": self.feature_names, "colour": self.colour,
@@ -549,6 +559,7 @@ class TrainableSegmenter:
         if spec is not None and "name" in spec and spec["checkpoint"] == "backbone.safetensors":
             # Weights saved with the model (a random-init backbone): a later save() writes them again.
             seg.backbone_spec = {**spec, "checkpoint": None}
+        seg.intensity_dtype = cfg.get("intensity_dtype")
         if cfg.get("intensity_range") is not None:
             seg.intensity_range = tuple(float(v) for v in cfg["intensity_range"])
         elif seg.intensity == "training":
