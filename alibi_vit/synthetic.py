@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from scipy import ndimage as ndi
 
-__all__ = ["synthetic_dataset", "synthetic_micrograph"]
+__all__ = ["brightest_phase", "synthetic_dataset", "synthetic_micrograph"]
 
 
 def _smooth_noise(rng, shape, sigma):
@@ -18,10 +18,11 @@ def _smooth_noise(rng, shape, sigma):
 
 
 def synthetic_micrograph(size=256, phases: int = 3, seed=0, *, grain: float = 16.0, noise: float = 0.06,
-                         blur: float = 1.0, illumination: float = 0.15, bit_depth: int = 12):
+                         blur: float = 1.0, illumination: float = 0.15, bit_depth: int = 12, fractions=None):
     """One (image, mask) pair: image (H, W) uint16, mask (H, W) int64 in 1..``phases``.
 
-    Phases come from thresholding a smooth random field at its quantiles (equal area fractions,
+    Phases come from thresholding a smooth random field at its quantiles (equal area fractions, or
+    ``fractions``, one per phase, summing to 1, zeros allowed: a phase absent from this image;
     blob-like grains of ~``grain`` px). Each phase has its own mean grey level and texture, the
     same in every image
     (phase 1: smooth; 2: fine speckle; 3: oriented stripes; further phases: coarser speckle), all
@@ -34,8 +35,16 @@ def synthetic_micrograph(size=256, phases: int = 3, seed=0, *, grain: float = 16
     h, w = (size, size) if np.isscalar(size) else tuple(size)
     rng = np.random.default_rng(seed)
     field = _smooth_noise(rng, (h, w), grain)
-    edges = np.quantile(field, np.linspace(0, 1, phases + 1)[1:-1])
-    mask = np.digitize(field, edges).astype(np.int64) + 1
+    if fractions is None:
+        edges = np.quantile(field, np.linspace(0, 1, phases + 1)[1:-1])
+        mask = np.digitize(field, edges).astype(np.int64) + 1
+    else:
+        fractions = np.asarray(fractions, np.float64)
+        if fractions.shape != (phases,) or (fractions < 0).any() or not np.isclose(fractions.sum(), 1):
+            raise ValueError(f"fractions must be {phases} non-negative numbers summing to 1, got {fractions}")
+        # Each phase a band of the field's quantiles: an empty band leaves the phase out.
+        ranks = np.argsort(np.argsort(field, axis=None)).reshape(field.shape) / field.size
+        mask = np.minimum(np.searchsorted(np.cumsum(fractions), ranks, side="right"), phases - 1).astype(np.int64) + 1
     # A phase is a material: its grey level and texture are the same in every image. Levels spread
     # over [0.3, 0.7] in a fixed shuffled order (so neighbouring phases are not always neighbours
     # in grey level); with illumination and noise, intensity alone separates them only roughly.
@@ -55,6 +64,11 @@ def synthetic_micrograph(size=256, phases: int = 3, seed=0, *, grain: float = 16
     image = image + noise * rng.standard_normal((h, w))
     top = 2 ** bit_depth - 1
     return np.clip(np.round(image * top), 0, top).astype(np.uint16), mask
+
+
+def brightest_phase(phases: int = 3) -> int:
+    """The phase (1-based) with the highest mean grey level in :func:`synthetic_micrograph`."""
+    return int(np.argmax(np.random.default_rng(phases).permutation(np.linspace(0.3, 0.7, phases)))) + 1
 
 
 def synthetic_dataset(n_train: int = 3, n_test: int = 3, size=256, phases: int = 3, seed=0, **kwargs):

@@ -51,6 +51,16 @@ def test_train_then_apply_writes_masks_and_overlays(files, tmp_path):
     np.testing.assert_array_equal(tifffile.imread(tmp_path / "tif" / "m0_mask.tif"),
                                   np.asarray(Image.open(tmp_path / "out" / "m0_mask.png")))
     assert not (tmp_path / "tif" / "m0_overlay.png").exists()
+    # The model holds the intensity range fitted on the training files and apply uses it: its masks
+    # are the loaded segmenter's predictions on the raw 16-bit arrays.
+    from alibi_vit.trainable import TrainableSegmenter
+
+    seg = TrainableSegmenter.load(tmp_path / "model")
+    pooled = np.concatenate([tifffile.imread(root / "images" / f"{s}.tif").ravel() for s in masks]).astype(float)
+    np.testing.assert_allclose(seg.intensity_range, np.percentile(pooled, (0.01, 99.99)), rtol=1e-6)
+    for stem in masks:
+        np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "out" / f"{stem}_mask.png")),
+                                      seg.predict([tifffile.imread(root / "images" / f"{stem}.tif")])[0])
 
 
 def test_train_errors_name_the_problem(files, tmp_path):
@@ -64,6 +74,11 @@ def test_train_errors_name_the_problem(files, tmp_path):
         run(["train", "--images", str(root / "images"), "--labels", str(bad), "--out", str(tmp_path / "x")])
     with pytest.raises(FileNotFoundError, match="neither an image file nor a folder"):
         run(["train", "--images", str(tmp_path / "missing"), "--labels", str(bad), "--out", str(tmp_path / "x")])
+    jpeg = tmp_path / "jpeg"
+    jpeg.mkdir()
+    Image.fromarray(np.asarray(Image.open(root / "labels" / "m0_labels.png"))).save(jpeg / "m0_labels.jpg")
+    with pytest.raises(ValueError, match=r"m0_labels.jpg is a JPEG: .*save labels as PNG or TIFF"):
+        run(["train", "--images", str(root / "images" / "m0.tif"), "--labels", str(jpeg), "--out", str(tmp_path / "x")])
     with pytest.raises(FileNotFoundError, match="no config.json"):
         run(["apply", "--model", str(bad), "--images", str(root / "images"), "--out", str(tmp_path / "x")])
 
@@ -87,6 +102,16 @@ def test_benchmark_synthetic_and_from_folders(files, tmp_path):
     assert (tmp_path / "f" / "benchmark.csv").read_text().count("\n") == 2
     with pytest.raises(ValueError, match="required without --synthetic"):
         run(["benchmark", "--out", str(tmp_path / "g")])
+
+
+def test_benchmark_composition_shift_compares_intensity_modes(tmp_path, capsys):
+    assert run(["benchmark", "--composition-shift", "--synthetic-size", "64", "--synthetic-count", "1", "1",
+                "--rounds", "1", "--trees", "5", "--out", str(tmp_path / "c")]) == 0
+    lines = (tmp_path / "c" / "benchmark.csv").read_text().splitlines()
+    assert lines[0] == "method,round,scribbled_pixels,miou,pixel_accuracy"
+    assert [line.split(",")[0] for line in lines[1:]] == [
+        f"classical [intensity={m}]" for m in ("training", "percentile", "minmax", "dtype")]
+    assert "pixel accuracy" in capsys.readouterr().out
 
 
 TINY_VIT = ["--backbone", "alibi_vit_small_patch14_reg4_dinov2", "--model-arg", "depth=1", "--model-arg",
@@ -199,3 +224,129 @@ def test_apply_skips_unreadable_images_writes_the_rest_and_fails(files, trained_
     assert captured.err.strip().splitlines()[-1] == \
         "alibi-vit segment: error: 1 image(s) could not be read: broken.png"
     assert sorted(p.name for p in (tmp_path / "out").glob("*_mask.png")) == ["m0_mask.png", "m1_mask.png"]
+
+
+def test_apply_writes_palette_masks_probabilities_and_area_fractions(files, trained_model, tmp_path):
+    import csv
+
+    from alibi_vit.trainable import TrainableSegmenter
+    from alibi_vit.trainable.io import palette
+
+    root, masks = files
+    assert run(["apply", "--model", str(trained_model), "--images", str(root / "images"), "--proba",
+                "--out", str(tmp_path / "out")]) == 0
+    seg = TrainableSegmenter.load(trained_model)
+    rows = {r["image"]: r for r in csv.DictReader(open(tmp_path / "out" / "area_fractions.csv"))}
+    fractions = []
+    for stem in masks:
+        png = Image.open(tmp_path / "out" / f"{stem}_mask.png")
+        assert png.mode == "P"  # shown in the class colours by any viewer
+        pred = np.asarray(png)  # the indices are the class values
+        rgb = np.asarray(png.convert("RGB"))
+        for c in (1, 2, 3):
+            if (pred == c).any():
+                np.testing.assert_array_equal(rgb[pred == c][0], palette(3)[c])
+        proba = np.stack([tifffile.imread(tmp_path / "out" / f"{stem}_proba_{c}.tif") for c in (1, 2, 3)], -1)
+        np.testing.assert_allclose(proba.sum(-1), 1, atol=1e-5)
+        np.testing.assert_array_equal(seg.classes_[proba.argmax(-1)], pred)
+        row = rows[f"{stem}.tif"]
+        for c in (1, 2, 3):  # fractions are pixel counts over the image's size
+            assert int(row[f"pixels_{c}"]) == (pred == c).sum()
+            assert float(row[f"fraction_{c}"]) == pytest.approx((pred == c).sum() / pred.size, abs=1e-6)
+        fractions.append([(pred == c).mean() for c in (1, 2, 3)])
+    key = np.asarray(Image.open(tmp_path / "out" / "colour_key.png").convert("RGB"))
+    for c in (1, 2, 3):  # one swatch per class, in the masks' colours
+        assert (key == palette(3)[c]).all(-1).sum() > 100
+    fractions = np.array(fractions)
+    for c in (1, 2, 3):
+        assert float(rows["mean"][f"fraction_{c}"]) == pytest.approx(fractions[:, c - 1].mean(), abs=1e-6)
+        assert float(rows["std"][f"fraction_{c}"]) == pytest.approx(fractions[:, c - 1].std(ddof=1), abs=1e-6)
+
+
+def test_colour_model_on_colour_files_and_grey_files_are_an_error(tmp_path, capsys):
+    from alibi_vit.cli.main import main
+    from alibi_vit.trainable.io import palette
+
+    for d in ("img", "lab", "grey"):
+        (tmp_path / d).mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        _, mask = synthetic_micrograph(48, seed=i)
+        colours = np.array([[0, 0, 0], [200, 60, 160], [60, 150, 140], [120, 120, 120]], np.float64)
+        rgb = np.clip(colours[mask] + rng.normal(0, 6, mask.shape + (3,)), 0, 255).astype(np.uint8)
+        Image.fromarray(rgb).save(tmp_path / "img" / f"c{i}.png")
+        Image.fromarray(scribbles(mask, 2, rng=i).astype(np.uint8)).save(tmp_path / "lab" / f"c{i}_labels.png")
+        Image.fromarray(rgb[..., 0]).save(tmp_path / "grey" / f"g{i}.png")
+    assert run(["train", "--images", str(tmp_path / "img"), "--labels", str(tmp_path / "lab"), "--trees", "10",
+                "--out", str(tmp_path / "m")]) == 0
+    assert run(["apply", "--model", str(tmp_path / "m"), "--images", str(tmp_path / "img" / "c1.png"),
+                "--out", str(tmp_path / "out")]) == 0
+    rgb = np.asarray(Image.open(tmp_path / "img" / "c1.png")).astype(np.float64)
+    mask = np.asarray(Image.open(tmp_path / "out" / "c1_mask.png"))
+    expected = (0.6 * rgb + 0.4 * palette(3)[mask]).round()  # the overlay keeps the image's own colours
+    np.testing.assert_allclose(np.asarray(Image.open(tmp_path / "out" / "c1_overlay.png")), expected, atol=1)
+    capsys.readouterr()
+    assert main(["segment", "apply", "--model", str(tmp_path / "m"), "--images", str(tmp_path / "grey"),
+                 "--out", str(tmp_path / "out2")]) == 2
+    assert "is grayscale but the model was trained on colour images" in _one_line_error(capsys)
+
+
+def test_stacks_are_segmented_slice_by_slice_and_written_back_as_stacks(tmp_path):
+    from alibi_vit.trainable import TrainableSegmenter
+
+    for d in ("img", "lab", "new"):
+        (tmp_path / d).mkdir()
+    pairs = [synthetic_micrograph(48, seed=s) for s in range(3)]
+    stack = np.stack([p[0] for p in pairs])
+    labels = np.stack([scribbles(pairs[0][1], 2, rng=0), np.zeros((48, 48), np.uint8), scribbles(pairs[2][1], 2, rng=2)])
+    tifffile.imwrite(tmp_path / "img" / "vol.tif", stack, photometric="minisblack")
+    tifffile.imwrite(tmp_path / "lab" / "vol_labels.tif", labels.astype(np.uint8), photometric="minisblack")
+    assert run(["train", "--images", str(tmp_path / "img"), "--labels", str(tmp_path / "lab"), "--trees", "10",
+                "--out", str(tmp_path / "m")]) == 0  # the middle slice has no labels: fine
+    assert run(["apply", "--model", str(tmp_path / "m"), "--images", str(tmp_path / "img"), "--proba",
+                "--out", str(tmp_path / "out")]) == 0
+    masks = tifffile.imread(tmp_path / "out" / "vol_mask.tif")
+    assert masks.shape == stack.shape
+    seg = TrainableSegmenter.load(tmp_path / "m")
+    for z in range(3):  # each slice as the model segments that slice alone
+        np.testing.assert_array_equal(masks[z], seg.predict([stack[z]])[0])
+    assert tifffile.imread(tmp_path / "out" / "vol_proba_1.tif").shape == stack.shape
+    rows = (tmp_path / "out" / "area_fractions.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:4]] == ["vol.tif[0]", "vol.tif[1]", "vol.tif[2]"]
+    # Labels for slices that do not exist: an error naming both counts.
+    tifffile.imwrite(tmp_path / "lab" / "vol_labels.tif", np.concatenate([labels, labels]).astype(np.uint8),
+                     photometric="minisblack")
+    with pytest.raises(ValueError, match="is a stack of 6 slices but image .* is a stack of 3 slices"):
+        run(["train", "--images", str(tmp_path / "img"), "--labels", str(tmp_path / "lab"),
+             "--out", str(tmp_path / "m2")])
+
+
+def test_modal_option_filters_the_written_masks(files, tmp_path):
+    from alibi_vit.trainable.segmenter import modal_filter
+
+    root, _ = files
+    assert run(["train", "--images", str(root / "images"), "--labels", str(root / "labels"), "--trees", "5",
+                "--modal", "5", "--out", str(tmp_path / "m")]) == 0
+    image = str(root / "images" / "m0.tif")
+    assert run(["apply", "--model", str(tmp_path / "m"), "--images", image, "--out", str(tmp_path / "a")]) == 0
+    assert run(["apply", "--model", str(tmp_path / "m"), "--images", image, "--modal", "0",
+                "--out", str(tmp_path / "b")]) == 0
+    filtered, raw = (np.asarray(Image.open(tmp_path / d / "m0_mask.png")) for d in ("a", "b"))
+    np.testing.assert_array_equal(filtered, modal_filter(raw, 5))
+    with pytest.raises(ValueError, match="--modal must be 0 or an odd"):
+        run(["apply", "--model", str(tmp_path / "m"), "--images", image, "--modal", "4", "--out", str(tmp_path / "c")])
+
+
+def test_recursive_apply_mirrors_subfolders(files, trained_model, tmp_path):
+    root, masks = files
+    (tmp_path / "in" / "sub").mkdir(parents=True)
+    (tmp_path / "in" / "m0.tif").write_bytes((root / "images" / "m0.tif").read_bytes())
+    (tmp_path / "in" / "sub" / "m1.tif").write_bytes((root / "images" / "m1.tif").read_bytes())
+    assert run(["apply", "--model", str(trained_model), "--images", str(tmp_path / "in"), "--out", str(tmp_path / "a")]) == 0
+    assert not (tmp_path / "a" / "sub").exists()  # not recursive by default
+    assert run(["apply", "--model", str(trained_model), "--images", str(tmp_path / "in"), "--recursive",
+                "--out", str(tmp_path / "b")]) == 0
+    assert (tmp_path / "b" / "m0_mask.png").is_file() and (tmp_path / "b" / "sub" / "m1_mask.png").is_file()
+    assert (tmp_path / "b" / "sub" / "m1_overlay.png").is_file()
+    names = [r.split(",")[0] for r in (tmp_path / "b" / "area_fractions.csv").read_text().splitlines()[1:]]
+    assert names == ["m0.tif", "sub/m1.tif", "mean", "std"]

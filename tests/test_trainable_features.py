@@ -167,3 +167,25 @@ def test_vit_features_are_pca_projected_and_upsampled_to_every_size():
     cov = np.cov(z)
     assert np.all(np.diff(np.diag(cov)) <= 1e-6)
     np.testing.assert_allclose(cov - np.diag(np.diag(cov)), 0, atol=1e-3 * cov[0, 0])
+
+
+@pytest.mark.parametrize("shape,sigmas", [((37, 52), (0, 1, 2, 4, 8, 16)), ((6, 4), (0, 1, 4)), ((1, 1), (0, 2))])
+def test_torch_filter_bank_matches_scipy(shape, sigmas):
+    from alibi_vit.trainable.classical import classical_features_chw, classical_features_torch
+
+    x = np.random.default_rng(5).random(shape).astype(np.float32)
+    expected = classical_features_chw(x, sigmas, intensity=None)
+    got = classical_features_torch(x, sigmas, device="cpu")
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)  # the stated tolerance
+
+
+def test_segmenter_torch_backend_gives_the_scipy_features():
+    from alibi_vit.trainable import TrainableSegmenter
+
+    rgb = (np.random.default_rng(6).random((40, 30, 3)) * 255).astype(np.uint8)
+    kw = dict(sigmas=(0, 1, 4), intensity="dtype", tile=28)
+    np.testing.assert_allclose(TrainableSegmenter(**kw, classical_backend="torch").features(rgb),
+                               TrainableSegmenter(**kw, classical_backend="scipy").features(rgb), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="classical_backend"):
+        TrainableSegmenter(classical_backend="opencl")

@@ -73,7 +73,7 @@ def test_benchmark_end_to_end_on_synthetic_data(tmp_path):
     assert rows2 == rows  # seeded and reproducible
     paths = write_outputs(tmp_path, rows, preds, te, masks)
     assert [p.name for p in paths] == ["benchmark.csv", "miou_vs_round.png", "examples.png"]
-    assert (tmp_path / "benchmark.csv").read_text().splitlines()[0] == "method,round,scribbled_pixels,miou"
+    assert (tmp_path / "benchmark.csv").read_text().splitlines()[0] == "method,round,scribbled_pixels,miou,pixel_accuracy"
     with pytest.raises(ValueError, match="exactly one ground-truth mask"):
         scribble_benchmark(tr, trm[:1], te, tem)
 
@@ -93,3 +93,35 @@ def test_benchmark_plots_have_whole_rounds_and_wrapped_titles():
     assert "".join(title.splitlines()[:-1]).replace(" ", "") == long_name.replace(" ", "")  # all of it, wrapped
     assert all(len(line) <= TITLE_WIDTH for line in title.splitlines()), title
     assert title.splitlines()[-1] == "mIoU 1.00"
+
+
+def test_composition_shift_test_images_lack_the_brightest_phase():
+    from alibi_vit.trainable.benchmark import composition_shift_data
+
+    (tr, trm), (te, tem) = composition_shift_data(2, 2, size=64, seed=0)
+    # The brightest phase, found from the training images themselves: highest mean grey level.
+    means = [np.mean(np.concatenate([im[m == p] for im, m in zip(tr, trm)])) for p in (1, 2, 3)]
+    bright = int(np.argmax(means)) + 1
+    for m in trm:
+        np.testing.assert_allclose(np.bincount(m.ravel(), minlength=4)[1:] / m.size, 1 / 3, atol=0.01)
+    for m in tem:
+        counts = np.bincount(m.ravel(), minlength=4)[1:] / m.size
+        assert counts[bright - 1] == 0
+        np.testing.assert_allclose(np.delete(counts, bright - 1), 0.5, atol=0.01)
+
+
+def test_fitted_intensity_holds_under_composition_shift_where_per_image_stretch_fails():
+    from alibi_vit.trainable.benchmark import compare_intensity, composition_shift_data
+
+    (tr, trm), (te, tem) = composition_shift_data(2, 2, size=96, seed=0)
+    rows, preds, masks = compare_intensity(
+        tr, trm, te, tem, modes=("training", "percentile", "dtype"), rounds=1, per_class=2, seed=0,
+        segmenter_kwargs=dict(classifier_params={"n_estimators": 15, "n_jobs": 1}, sigmas=(0, 1, 2, 4)))
+    by = {r["method"]: r for r in rows}
+    assert set(by) == {f"classical [intensity={m}]" for m in ("training", "percentile", "dtype")}
+    for r in rows:  # pixel accuracy recomputed from the predictions
+        p = preds[r["method"]]
+        assert r["pixel_accuracy"] == pytest.approx(np.mean([np.mean(a == b) for a, b in zip(p, masks)]))
+    training, dtype = by["classical [intensity=training]"], by["classical [intensity=dtype]"]
+    assert training["miou"] >= dtype["miou"] - 0.01
+    assert by["classical [intensity=percentile]"]["miou"] < training["miou"] - 0.05

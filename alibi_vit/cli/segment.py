@@ -5,8 +5,8 @@
     alibi-vit segment apply --model MODEL_DIR --images DIR_OR_FILES --out DIR
     alibi-vit segment benchmark (--synthetic | --train-images ... --train-masks ... --test-images ... --test-masks ...)
 
-Label images hold 0 for unlabelled pixels and 1..K for the classes (single-channel or palette
-PNG/TIFF, the Weka/ilastik convention); a label file pairs with the image of the same name, or of
+Label images hold 0 for unlabelled pixels and a value per class, usually 1..K (single-channel or
+palette PNG/TIFF, the Weka/ilastik convention; JPEG is refused; multi-page TIFF stacks slice by slice); a label file pairs with the image of the same name, or of
 the same name plus ``_labels``/``_label``/``_mask``/``_masks``/``_gt``.
 """
 
@@ -48,9 +48,11 @@ def _add_backbone_arguments(p, several: bool):
 
 def _add_common(p):
     p.add_argument("--classifier", choices=("xgboost", "random_forest"), default="xgboost")
-    p.add_argument("--intensity", choices=("auto", "percentile", "minmax", "dtype"), default="auto",
-                   help="how images are scaled to [0, 1]: auto (default: 0.5–99.5th percentiles for grayscale, "
-                        "dtype for colour), percentile, min–max, or by dtype")
+    p.add_argument("--intensity", choices=("training", "auto", "percentile", "minmax", "dtype"), default="training",
+                   help="how images are scaled to [0, 1]: training (default: black/white points fitted once on "
+                        "the training images' pooled pixels, stored with the model, applied unchanged to every "
+                        "image); or each image by itself: auto (0.5–99.5th percentiles for grayscale, dtype for "
+                        "colour), percentile, minmax, dtype")
     p.add_argument("--components", type=int, default=9, help="PCA components of the ViT features")
     p.add_argument("--trees", type=int, default=None,
                    help="number of trees (boosting rounds, or forest size) instead of the classifier's default")
@@ -65,22 +67,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="label images: 0 = unlabelled, 1..K = classes, paired with the images by file name")
     _add_backbone_arguments(t, several=False)
     _add_common(t)
-    t.add_argument("--crf", action="store_true", help="refine predictions with a dense CRF when applying")
+    t.add_argument("--features", default=None, metavar="MODULE:FUNCTION",
+                   help="user feature hook: a function taking the scaled image ((H, W) or (H, W, 3) floats in "
+                        "[0, 1]) and returning (H, W, F) features; stored by import path, never pickled")
+    t.add_argument("--modal", type=int, default=0, metavar="N",
+                   help="majority (modal) filter of odd window N px on the masks (default 0: none)")
+    t.add_argument("--colour", choices=("channels", "grey"), default="channels",
+                   help="colour images: featurised per channel (default; the model then takes colour images only) "
+                        "or converted to grey (luma)")
+    t.add_argument("--crf", nargs="?", const="paper", choices=("paper", "library"), default=None,
+                   help="refine predictions with a dense CRF when applying: preset paper (the paper notebook's "
+                        "sxy values; the default of a bare --crf) or library (the authors' backend's defaults)")
     t.add_argument("--out", type=Path, required=True, metavar="MODEL_DIR")
     a = sub.add_parser("apply", help=ACTIONS["apply"], description=ACTIONS["apply"])
     a.add_argument("--model", type=Path, required=True, metavar="MODEL_DIR")
     a.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE")
     a.add_argument("--out", type=Path, required=True, metavar="DIR")
+    a.add_argument("--recursive", action="store_true",
+                   help="also segment images in subfolders of the --images folders; outputs mirror the subfolders")
     a.add_argument("--format", choices=("png", "tif"), default="png", help="mask file format")
     a.add_argument("--no-overlay", action="store_true", help="write only the masks, no overlay PNGs")
-    a.add_argument("--crf", choices=("model", "on", "off"), default="model",
-                   help="dense-CRF clean-up: as the model was trained (default), or force on/off")
+    a.add_argument("--proba", action="store_true",
+                   help="also write per-class probability TIFFs (<name>_proba_<class>.tif, float32)")
+    a.add_argument("--crf", choices=("model", "on", "off", "paper", "library"), default="model",
+                   help="dense-CRF clean-up: as the model was trained (default), on (preset paper), off, or a "
+                        "preset (paper, library)")
+    a.add_argument("--modal", type=int, default=None, metavar="N",
+                   help="majority filter of odd window N px (0: none; default: as the model was trained)")
     a.add_argument("--device", default=None)
     b = sub.add_parser("benchmark", help=ACTIONS["benchmark"], description=ACTIONS["benchmark"])
     for name in ("train-images", "train-masks", "test-images", "test-masks"):
         b.add_argument(f"--{name}", nargs="+", metavar="DIR_OR_FILE")
     b.add_argument("--synthetic", action="store_true",
                    help="use generated 3-phase micrographs (offline; not the paper's data)")
+    b.add_argument("--composition-shift", action="store_true",
+                   help="generated data whose test images lack the brightest of three phases, run once per "
+                        "intensity mode (training, percentile, minmax, dtype; --intensity is not used)")
     b.add_argument("--synthetic-size", type=int, default=256)
     b.add_argument("--synthetic-count", type=int, nargs=2, default=(5, 5), metavar=("TRAIN", "TEST"))
     _add_backbone_arguments(b, several=True)
@@ -159,7 +181,9 @@ def _classifier_params(args):
 
 
 def _train(args) -> int:
-    from ..trainable import TrainableSegmenter, read_grayscale, read_labels
+    from ..images import read_array
+    from ..trainable import TrainableSegmenter, read_labels
+    from ..trainable.io import as_label_image, read_slices
 
     if args.backbone is None and args.checkpoint:
         raise ValueError("--checkpoint needs --backbone NAME")
@@ -172,14 +196,23 @@ def _train(args) -> int:
     _check_out_folder(args.out)
     images, labels = [], []
     for img, lab in tqdm(pairs, desc="read", disable=len(pairs) < 2):
-        images.append(read_grayscale(img, args.intensity))
-        labels.append(read_labels(lab, images[-1].shape))
-    seg = TrainableSegmenter(args.backbone, args.classifier, args.crf, n_components=args.components,
+        stack, label_stack = read_slices(img), read_slices(lab)
+        if stack is None and label_stack is None:
+            images.append(read_array(img))  # as stored: the segmenter scales them (and fits the range)
+            labels.append(read_labels(lab, images[-1].shape[:2]))
+            continue
+        if stack is None or label_stack is None or len(stack) != len(label_stack):
+            what = lambda s: "a single image" if s is None else f"a stack of {len(s)} slices"  # noqa: E731
+            raise ValueError(f"labels {lab} is {what(label_stack)} but image {img} is {what(stack)}: give one label "
+                             "slice per image slice (all 0 for slices without labels)")
+        for z, (image, label) in enumerate(zip(stack, label_stack)):  # slice by slice
+            images.append(image)
+            labels.append(as_label_image(label, image.shape[:2], source=f"labels {lab} slice {z}"))
+    seg = TrainableSegmenter(args.backbone, args.classifier, args.crf or False, n_components=args.components,
                              classifier_params=_classifier_params(args),
-                             intensity="dtype", device=args.device, seed=args.seed, progress=True, **backbone_kwargs)
+                             intensity=args.intensity, device=args.device, seed=args.seed, progress=True,
+                             colour=args.colour, feature_fn=args.features, modal=args.modal, **backbone_kwargs)
     seg.fit(images, labels)
-    # The files were scaled on reading; the saved model scales arrays the same way when applied.
-    seg.intensity = args.intensity
     seg.save(args.out)
     counts = np.bincount(np.concatenate([lab[lab > 0] for lab in labels]))
     print(f"trained on {len(images)} image(s), {int(counts.sum())} labelled pixels in classes "
@@ -190,35 +223,81 @@ def _train(args) -> int:
 def _apply(args) -> int:
     import warnings
 
-    from ..trainable import TrainableSegmenter, read_grayscale
-    from ..trainable.io import list_image_files, overlay, write_mask
+    from ..images import read_array, scale_colour
+    from ..trainable import TrainableSegmenter
+    from ..trainable.io import (area_fractions, list_image_files, overlay, read_slices, write_colour_key,
+                                write_fractions_csv, write_mask, write_proba)
 
-    files = list_image_files(args.images)
+    files, where = [], {}  # where: image → (output folder, name in the CSV)
+    for src in args.images:
+        for f in list_image_files([src], recursive=args.recursive):
+            rel = f.relative_to(src) if Path(src).is_dir() else Path(f.name)
+            files.append(f)
+            where[f] = (args.out / rel.parent, rel.as_posix())
     _check_out_folder(args.out)
     seg = TrainableSegmenter.load(args.model, device=args.device)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.modal is not None:
+        if args.modal < 0 or (args.modal and args.modal % 2 == 0):
+            raise ValueError(f"--modal must be 0 or an odd window size, got {args.modal}")
+        seg.modal = args.modal
     if args.crf != "model":
-        seg.crf = args.crf == "on"
+        seg.crf = {"on": "paper", "off": False}.get(args.crf, args.crf)
     k = int(seg.classes_.max())
-    failed = []
+    failed, names, counts = [], [], []
+
+    def read(path):
+        stack = read_slices(path)
+        return (stack, True) if stack is not None else ([read_array(path)], False)
+
+    for path in files:  # a colour model given grayscale images (or the reverse) fails before any work
+        try:
+            first = read(path)[0][0]
+        except (OSError, ValueError):
+            continue  # reported in the loop below
+        seg.check_channels(first, str(path))
+        break
     for path in tqdm(files, desc="segment"):
         try:
-            image01 = read_grayscale(path, seg.intensity)
+            arrays, is_stack = read(path)
         except (OSError, ValueError) as err:  # one unreadable file must not cost the others their masks
             warnings.warn(f"skipped {path}: {err}")
             failed.append(path.name)
             continue
-        intensity, seg.intensity = seg.intensity, "dtype"  # already scaled on reading
+        seg.check_channels(arrays[0], str(path))  # a colour model given grey images (or the reverse): an error
         try:
-            mask = seg.predict([image01])[0]
-        finally:
-            seg.intensity = intensity
-        write_mask(args.out / f"{path.stem}_mask.{args.format}", mask)
+            scaled = [seg.scale(a, f"{path} slice {z}" if is_stack else str(path)) for z, a in enumerate(arrays)]
+        except (OSError, ValueError) as err:  # one unreadable file must not cost the others their masks
+            warnings.warn(f"skipped {path}: {err}")
+            failed.append(path.name)
+            continue
+        probas = [seg.predict_proba([x], scaled=True)[0]
+                  for x in tqdm(scaled, desc=f"{path.name} slices", leave=False, disable=not is_stack)]
+        masks = [seg.mask_from_proba(p) for p in probas]
+        dest = where[path][0]
+        for z, mask in enumerate(masks):
+            names.append(f"{where[path][1]}[{z}]" if is_stack else where[path][1])
+            counts.append((area_fractions(mask, seg.classes_)[0], mask.size))
+        if is_stack:  # written back as a stack: TIFF whatever --format says; no overlays
+            write_mask(dest / f"{path.stem}_mask.tif", np.stack(masks), k)
+            if args.proba:
+                write_proba(dest, path.stem, np.stack(probas), seg.classes_)
+            continue
+        array, image01, proba, mask = arrays[0], scaled[0], probas[0], masks[0]
+        write_mask(dest / f"{path.stem}_mask.{args.format}", mask, k)
+        if args.proba:
+            write_proba(dest, path.stem, proba, seg.classes_)
         if not args.no_overlay:
             from PIL import Image
 
-            Image.fromarray(overlay(image01, mask, 0.4, k)).save(args.out / f"{path.stem}_overlay.png")
-    print(f"segmented {len(files) - len(failed)} of {len(files)} image(s) into {args.out}")
+            # Colour images are shown in their own colours (by dtype), grayscale as the model scaled it.
+            shown = scale_colour(array, "auto", str(path)) if image01.ndim == 3 else image01
+            Image.fromarray(overlay(shown, mask, 0.4, k)).save(dest / f"{path.stem}_overlay.png")
+    if names:
+        write_fractions_csv(args.out / "area_fractions.csv", names, counts, seg.classes_)
+        write_colour_key(args.out / "colour_key.png", seg.classes_, k)
+    print(f"segmented {len(files) - len(failed)} of {len(files)} image(s) into {args.out} "
+          f"(area fractions per class in {args.out / 'area_fractions.csv'})")
     if failed:
         print(f"alibi-vit segment: error: {len(failed)} image(s) could not be read: {', '.join(failed)}",
               file=sys.stderr)
@@ -227,23 +306,28 @@ def _apply(args) -> int:
 
 
 def _read_set(image_sources, mask_sources, what):
-    from ..trainable.io import read_array
+    from ..trainable.io import read_array, read_labels
 
     if not image_sources or not mask_sources:
         raise ValueError(f"--{what}-images and --{what}-masks are required without --synthetic")
     pairs = _image_label_pairs(image_sources, mask_sources, what="masks")
-    return [read_array(i) for i, _ in pairs], [read_array(m) for _, m in pairs], [i.stem for i, _ in pairs]
+    return [read_array(i) for i, _ in pairs], [read_labels(m) for _, m in pairs], [i.stem for i, _ in pairs]
 
 
 def _benchmark(args) -> int:
     from ..synthetic import synthetic_dataset
-    from ..trainable.benchmark import scribble_benchmark, write_outputs
+    from ..trainable.benchmark import compare_intensity, composition_shift_data, scribble_benchmark, write_outputs
 
     if args.rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     checkpoints = _check_backbone_weights(args, args.backbone)
     _check_out_folder(args.out)
-    if args.synthetic:
+    if args.composition_shift:
+        if args.train_images or args.test_images:
+            raise ValueError("--composition-shift generates its data: give no --train-images/--test-images")
+        n_train, n_test = args.synthetic_count
+        (tr, trm), (te, tem) = composition_shift_data(n_train, n_test, args.synthetic_size, seed=args.seed)
+    elif args.synthetic:
         n_train, n_test = args.synthetic_count
         (tr, trm), (te, tem) = synthetic_dataset(n_train, n_test, args.synthetic_size, seed=args.seed)
     else:
@@ -258,17 +342,28 @@ def _benchmark(args) -> int:
             backbones[f"classical + {name}"] = create_backbone(
                 name, pretrained=args.pretrained and ckpt is None, checkpoint=ckpt, seed=args.seed,
                 **parse_model_args(args.model_arg))
-    rows, preds, test_masks = scribble_benchmark(
-        tr, trm, te, tem, backbones, rounds=args.rounds, per_class=args.per_class, seed=args.seed,
-        classifier=args.classifier, progress=True,
-        segmenter_kwargs=dict(n_components=args.components, classifier_params=_classifier_params(args),
-                              intensity=args.intensity, device=args.device))
-    paths = write_outputs(args.out, rows, preds, te, test_masks, intensity=args.intensity)
+    run_kwargs = dict(rounds=args.rounds, per_class=args.per_class, seed=args.seed, classifier=args.classifier,
+                      progress=True)
+    seg_kwargs = dict(n_components=args.components, classifier_params=_classifier_params(args), device=args.device)
+    if args.composition_shift:
+        rows, preds, test_masks = compare_intensity(tr, trm, te, tem, backbones, segmenter_kwargs=seg_kwargs,
+                                                    **run_kwargs)
+    else:
+        rows, preds, test_masks = scribble_benchmark(tr, trm, te, tem, backbones,
+                                                     segmenter_kwargs={**seg_kwargs, "intensity": args.intensity},
+                                                     **run_kwargs)
+    paths = write_outputs(args.out, rows, preds, te, test_masks,
+                          intensity="auto" if args.composition_shift else args.intensity)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     print("round  " + "  ".join(methods))
     for r in range(1, args.rounds + 1):
         vals = {row["method"]: row["miou"] for row in rows if row["round"] == r}
         print(f"{r:>5}  " + "  ".join(f"{vals[m]:>{len(m)}.3f}" for m in methods))
+    last = [row for row in rows if row["round"] == args.rounds]
+    width = max(len(row["method"]) for row in last)
+    print(f"round {args.rounds}: {'method':<{width}}  mIoU   pixel accuracy")
+    for row in last:
+        print(f"{'':>{len(str(args.rounds)) + 8}}{row['method']:<{width}}  {row['miou']:.3f}  {row['pixel_accuracy']:.3f}")
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 

@@ -4,6 +4,11 @@ Training images with ground truth get scribbles generated from that ground truth
 scribble per class per training image per round, accumulating); after each round a segmenter is
 trained on all scribbles so far and scored on the test images. Every method (classical features
 alone, classical + each backbone) sees the very same scribbles. No CRF, as in the paper.
+
+The composition-shift case (:func:`composition_shift_data`, :func:`compare_intensity`): training
+images hold three phases, test images lack one (the brightest), as a field of view without
+precipitates does; run once per intensity mode, it shows what scaling each image by its own
+content costs when the content differs.
 """
 
 from __future__ import annotations
@@ -14,11 +19,16 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from ..synthetic import brightest_phase, synthetic_micrograph
 from .io import as_label_image, overlay, to_unit_float
 from .scribbles import scribbles
 from .segmenter import TrainableSegmenter
 
-__all__ = ["mean_iou", "remap_masks", "scribble_benchmark", "write_outputs"]
+__all__ = ["INTENSITY_COMPARISON", "compare_intensity", "composition_shift_data", "mean_iou", "pixel_accuracy",
+           "remap_masks", "scribble_benchmark", "write_outputs"]
+
+# The intensity modes the composition-shift case compares ("auto" is "percentile" for grayscale).
+INTENSITY_COMPARISON = ("training", "percentile", "minmax", "dtype")
 
 
 def remap_masks(masks) -> tuple[list[np.ndarray], np.ndarray]:
@@ -45,6 +55,44 @@ def mean_iou(pred: np.ndarray, truth: np.ndarray) -> float:
     return float(np.mean(ious))
 
 
+def pixel_accuracy(pred: np.ndarray, truth: np.ndarray) -> float:
+    """Fraction of pixels whose predicted class is the true one."""
+    if pred.shape != truth.shape:
+        raise ValueError(f"prediction {pred.shape} and ground truth {truth.shape} differ in shape")
+    return float((pred == truth).mean())
+
+
+def composition_shift_data(n_train: int = 5, n_test: int = 5, size: int = 256, seed: int = 0, phases: int = 3,
+                           missing: int | None = None):
+    """((train images, masks), (test images, masks)) of :func:`~alibi_vit.synthetic.synthetic_micrograph`:
+    training images with ``phases`` phases in equal areas, test images without phase ``missing``
+    (default: the brightest) and the others in equal areas. Seeded."""
+    missing = brightest_phase(phases) if missing is None else int(missing)
+    if not 1 <= missing <= phases:
+        raise ValueError(f"missing must be a phase 1..{phases}, got {missing}")
+    fractions = np.full(phases, 1.0 / (phases - 1))
+    fractions[missing - 1] = 0.0
+    train = [synthetic_micrograph(size, phases, seed=(seed, i)) for i in range(n_train)]
+    test = [synthetic_micrograph(size, phases, seed=(seed, n_train + i), fractions=fractions) for i in range(n_test)]
+    return ([p[0] for p in train], [p[1] for p in train]), ([p[0] for p in test], [p[1] for p in test])
+
+
+def compare_intensity(train_images, train_masks, test_images, test_masks, backbones=None, *,
+                      modes=INTENSITY_COMPARISON, segmenter_kwargs=None, progress: bool = False, **kwargs):
+    """:func:`scribble_benchmark` once per intensity mode, on the very same scribbles (same seed).
+
+    Returns (rows, predictions, test masks) as it does, methods named "<method> [intensity=<mode>]".
+    """
+    rows, predictions, masks = [], {}, None
+    for mode in tqdm(modes, desc="intensity modes", disable=not progress):
+        seg_kwargs = {**(segmenter_kwargs or {}), "intensity": mode}
+        r, p, masks = scribble_benchmark(train_images, train_masks, test_images, test_masks, backbones,
+                                         segmenter_kwargs=seg_kwargs, **kwargs)
+        rows += [{**row, "method": f"{row['method']} [intensity={mode}]"} for row in r]
+        predictions.update({f"{m} [intensity={mode}]": v for m, v in p.items()})
+    return rows, predictions, masks
+
+
 def scribble_benchmark(train_images, train_masks, test_images, test_masks, backbones=None, *, rounds: int = 5,
                        per_class: int = 1, seed: int = 0, classifier: str = "xgboost", segmenter_kwargs=None,
                        progress: bool = False):
@@ -53,7 +101,7 @@ def scribble_benchmark(train_images, train_masks, test_images, test_masks, backb
     backbones: {method name: backbone} where backbone is None (classical features only), a model
         name or an nn.Module (see :class:`TrainableSegmenter`); default {"classical": None}.
     rows: one dict per method and round: method, round (1-based), scribbled_pixels, miou (the mean
-        over test images of :func:`mean_iou`). predictions: {method: masks of the test images after
+        over test images of :func:`mean_iou`), pixel_accuracy (the mean of :func:`pixel_accuracy`). predictions: {method: masks of the test images after
         the last round}. Seeded: the same arguments give the same numbers.
     """
     backbones = {"classical": None} if backbones is None else dict(backbones)
@@ -80,7 +128,8 @@ def scribble_benchmark(train_images, train_masks, test_images, test_masks, backb
             seg = TrainableSegmenter(backbone, classifier, crf=False, seed=seed, **kwargs).fit(train_images, labels)
             preds = seg.predict(test_images)
             rows.append({"method": method, "round": r, "scribbled_pixels": n_scribbled,
-                         "miou": float(np.mean([mean_iou(p, t) for p, t in zip(preds, test_masks)]))})
+                         "miou": float(np.mean([mean_iou(p, t) for p, t in zip(preds, test_masks)])),
+                         "pixel_accuracy": float(np.mean([pixel_accuracy(p, t) for p, t in zip(preds, test_masks)]))})
             predictions[method] = preds
             bar.update()
     bar.close()
@@ -139,7 +188,8 @@ def plot_examples(predictions, test_images, test_masks, intensity: str = "auto",
     cols = 2 + len(predictions)
     fig = Figure(figsize=(2.2 * cols, 2.6 * n), dpi=80)
     for i in range(n):
-        image01 = to_unit_float(test_images[i], intensity)
+        # Display only: a "training" range belongs to a trained model, so show each image by itself.
+        image01 = to_unit_float(test_images[i], "auto" if intensity == "training" else intensity)
         panels = [("image", np.repeat((image01 * 255).astype(np.uint8)[..., None], 3, -1)),
                   ("ground truth", overlay(image01, test_masks[i], 0.5, k))]
         panels += [(textwrap.fill(name, TITLE_WIDTH, break_on_hyphens=False) +

@@ -12,8 +12,10 @@ import numpy as np
 
 from ..images import check_intensity, load_grayscale
 
-__all__ = ["IMAGE_SUFFIXES", "as_grayscale", "as_label_image", "list_image_files", "overlay",
-           "read_array", "read_grayscale", "read_labels", "to_unit_float", "write_mask"]
+__all__ = ["IMAGE_SUFFIXES", "area_fractions", "read_slices", "as_grayscale", "as_label_image", "list_image_files", "overlay",
+           "read_array", "read_grayscale", "read_labels", "to_unit_float", "write_colour_key", "write_fractions_csv",
+           "write_mask",
+           "write_proba"]
 
 IMAGE_SUFFIXES = (".png", ".tif", ".tiff", ".jpg", ".jpeg", ".bmp")
 
@@ -91,26 +93,61 @@ def read_array(path) -> np.ndarray:
         raise ValueError(f"cannot read image {path}: {err}") from err
 
 
+def read_slices(path) -> list[np.ndarray] | None:
+    """The slices of a multi-page TIFF stack (FIB-SEM, X-ray CT), each (H, W) or (H, W, 3|4) as stored,
+    or None when ``path`` holds a single image (any other file, or a TIFF of one page).
+
+    Every page of the file's first series is a slice (an ImageJ hyperstack's channels and times
+    too, in file order)."""
+    path = Path(path)
+    if path.suffix.lower() not in (".tif", ".tiff"):
+        return None
+    import tifffile
+
+    try:
+        with tifffile.TiffFile(path) as tif:
+            if len(tif.pages) < 2:
+                return None
+            series = tif.series[0]
+            page_shape = tuple(tif.pages[0].shape)
+            array = series.asarray()
+    except (OSError, ValueError, tifffile.TiffFileError) as err:
+        raise ValueError(f"cannot read image {path}: {err}") from err
+    if array.size % int(np.prod(page_shape)):
+        raise ValueError(f"stack {path}: its pages differ in size ({series.shape}); save slices of one size")
+    return list(array.reshape((-1,) + page_shape))
+
+
 def read_grayscale(path, intensity: str = "auto") -> np.ndarray:
     """Read an image file (PNG, TIFF incl. 16-bit, JPEG) as (H, W) float32 in [0, 1]; see :func:`to_unit_float`."""
     return load_grayscale(Path(path), check_intensity(intensity))
 
 
+LOSSY_SUFFIXES = (".jpg", ".jpeg", ".jpe", ".jfif")
+
+
 def read_labels(path, shape=None) -> np.ndarray:
-    """Read a label image file (single-channel or palette PNG/TIFF) as (H, W) int64; see :func:`as_label_image`."""
+    """Read a label image file (single-channel or palette PNG/TIFF) as (H, W) int64; see :func:`as_label_image`.
+
+    JPEG files are refused: lossy compression invents values (classes) at every stroke edge."""
     path = Path(path)
+    if path.suffix.lower() in LOSSY_SUFFIXES:
+        raise ValueError(f"labels {path} is a JPEG: lossy compression invents classes at stroke edges; "
+                         "save labels as PNG or TIFF")
     return as_label_image(read_array(path), shape, source=f"labels {path}")
 
 
-def list_image_files(sources) -> list[Path]:
-    """Image files from folders (their images, sorted, not recursive) and/or file paths, in order."""
+def list_image_files(sources, recursive: bool = False) -> list[Path]:
+    """Image files from folders (their images, sorted; with ``recursive`` also those in subfolders)
+    and/or file paths, in order."""
     if isinstance(sources, (str, Path)):
         sources = [sources]
     files = []
     for src in sources:
         src = Path(src)
         if src.is_dir():
-            found = sorted(p for p in src.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+            found = sorted(p for p in (src.rglob("*") if recursive else src.iterdir())
+                           if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
             if not found:
                 raise FileNotFoundError(f"folder {src} holds no images ({', '.join(IMAGE_SUFFIXES)})")
             files.extend(found)
@@ -130,25 +167,109 @@ def palette(k: int) -> np.ndarray:
 
 
 def overlay(image01: np.ndarray, mask: np.ndarray, alpha: float = 0.4, k: int | None = None) -> np.ndarray:
-    """(H, W, 3) uint8: the grayscale image with the classes of ``mask`` tinted on it (0 stays untinted)."""
+    """(H, W, 3) uint8: the image (grayscale (H, W), or RGB (H, W, 3) in its own colours) with the
+    classes of ``mask`` tinted on it (0 stays untinted)."""
     k = int(mask.max()) if k is None else k
     colours = palette(k).astype(np.float32)[mask]
-    gray = np.repeat(np.clip(image01, 0, 1)[..., None] * 255.0, 3, axis=-1)
+    if image01.ndim == 3:
+        gray = np.clip(image01[..., :3], 0, 1) * 255.0
+    else:
+        gray = np.repeat(np.clip(image01, 0, 1)[..., None] * 255.0, 3, axis=-1)
     out = np.where(mask[..., None] > 0, (1 - alpha) * gray + alpha * colours, gray)
     return out.round().astype(np.uint8)
 
 
-def write_mask(path, mask: np.ndarray) -> Path:
-    """Write a class mask losslessly: PNG (8-bit, or 16-bit above 255 classes) or TIFF by suffix."""
+def write_mask(path, mask: np.ndarray, k: int | None = None) -> Path:
+    """Write a class mask losslessly: PNG or TIFF by suffix, pixel value = class value.
+
+    PNGs of values below 256 are palette ("P") images whose colour for value v is :func:`palette`
+    (``k``, default the mask's maximum)[v], the overlays' colours, so any viewer shows the classes
+    in colour while the stored indices stay the class values; above 255, a 16-bit grey PNG.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     dtype = np.uint8 if mask.max() < 256 else np.uint16
     if path.suffix.lower() in (".tif", ".tiff"):
         import tifffile
 
-        tifffile.imwrite(path, mask.astype(dtype))
+        tifffile.imwrite(path, mask.astype(dtype), photometric="minisblack")  # a (Z, H, W) stack: one page a slice
     else:
         from PIL import Image
 
-        Image.fromarray(mask.astype(dtype)).save(path)
+        if dtype == np.uint8:
+            m = np.ascontiguousarray(mask, dtype=np.uint8)
+            img = Image.frombytes("P", (m.shape[1], m.shape[0]), m.tobytes())  # indices = class values
+            img.putpalette(palette(int(mask.max()) if k is None else int(k))[:256].ravel().tolist())
+        else:
+            img = Image.fromarray(mask.astype(dtype))
+        img.save(path)
+    return path
+
+
+def write_colour_key(path, classes, k: int | None = None, names=None) -> Path:
+    """A PNG key to the masks' and overlays' colours: per class a swatch of :func:`palette` colour
+    and its name (default "class <value>")."""
+    from PIL import Image, ImageDraw
+
+    classes = [int(c) for c in classes]
+    colours = palette(max(classes) if k is None else int(k))
+    names = [f"class {c}" for c in classes] if names is None else list(names)
+    row = 22
+    img = Image.new("RGB", (30 + 8 * max(len(n) for n in names) + 10, row * len(classes) + 6), "white")
+    draw = ImageDraw.Draw(img)
+    for i, (c, name) in enumerate(zip(classes, names)):
+        y = 4 + i * row
+        draw.rectangle([4, y, 22, y + row - 6], fill=tuple(int(v) for v in colours[c]), outline="black")
+        draw.text((30, y + 2), name, fill="black")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path)
+    return path
+
+
+def write_proba(folder, stem: str, proba: np.ndarray, classes) -> list[Path]:
+    """One float32 TIFF per class, ``<stem>_proba_<class value>.tif``, of the (H, W, K) probabilities
+    (or (Z, H, W, K) of a stack: one page per slice)."""
+    import tifffile
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for j, c in enumerate(classes):
+        paths.append(folder / f"{stem}_proba_{int(c)}.tif")
+        tifffile.imwrite(paths[-1], np.ascontiguousarray(proba[..., j], dtype=np.float32), photometric="minisblack")
+    return paths
+
+
+def area_fractions(mask: np.ndarray, classes) -> tuple[np.ndarray, np.ndarray]:
+    """(pixel counts, area fractions) of each class value of ``classes`` in ``mask``; fractions are
+    counts over the mask's pixel count (they sum to 1 when every pixel holds one of ``classes``)."""
+    counts = np.array([int((mask == c).sum()) for c in classes], np.int64)
+    return counts, counts / mask.size
+
+
+def write_fractions_csv(path, names, masks_counts, classes) -> Path:
+    """The area-fraction CSV: one row per image (``image``, then per class ``fraction_<c>`` and
+    ``pixels_<c>``), then a ``mean`` and a ``std`` row over the images (sample standard deviation,
+    ddof=1; empty with a single image). ``masks_counts``: per image its class pixel counts and size."""
+    import csv
+
+    classes = [int(c) for c in classes]
+    header = ["image"] + [f"fraction_{c}" for c in classes] + [f"pixels_{c}" for c in classes]
+    rows = []
+    for name, (counts, size) in zip(names, masks_counts):
+        counts = np.asarray(counts, np.int64)
+        rows.append([name] + list(counts / size) + list(counts))
+    values = np.array([r[1:] for r in rows], np.float64).reshape(len(rows), 2 * len(classes))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        for r in rows:
+            writer.writerow([r[0]] + [f"{v:.6f}" for v in r[1:1 + len(classes)]] + [int(v) for v in r[1 + len(classes):]])
+        if rows:
+            writer.writerow(["mean"] + [f"{v:.6f}" for v in values.mean(0)])
+            std = values.std(0, ddof=1) if len(rows) > 1 else None
+            writer.writerow(["std"] + ([f"{v:.6f}" for v in std] if std is not None else [""] * values.shape[1]))
     return path

@@ -49,9 +49,10 @@ def _starts(n: int, t: int, step: int) -> list[int]:
 @torch.no_grad()
 def vit_patch_features(model: nn.Module, image01: np.ndarray, *, tile: int = 518, overlap: int = 56,
                        device="cpu") -> np.ndarray:
-    """(C, gh, gw) float32 patch features of a (H, W) image in [0, 1] on the patch grid of its padded size.
+    """(C, gh, gw) float32 patch features of a (H, W) or RGB (H, W, 3) image in [0, 1] on the patch
+    grid of its padded size.
 
-    The grayscale image is repeated to RGB and ImageNet-normalised as DINOv2 expects; see the
+    A grayscale image is repeated to RGB and ImageNet-normalised as DINOv2 expects; see the
     module docstring for padding and tiling. ``tile`` and ``overlap`` are in px and rounded down to
     multiples of the patch size.
     """
@@ -59,11 +60,14 @@ def vit_patch_features(model: nn.Module, image01: np.ndarray, *, tile: int = 518
     t, o = max(tile // p, 1), max(overlap // p, 0)
     if o >= t:
         raise ValueError(f"overlap ({overlap} px) must be smaller than tile ({tile} px)")
-    h, w = image01.shape
+    h, w = image01.shape[:2]
     gh, gw = -(-h // p), -(-w // p)
-    x = torch.from_numpy(np.ascontiguousarray(image01, np.float32))[None, None].to(device)
+    if image01.ndim == 3:  # RGB (H, W, 3)
+        x = torch.from_numpy(np.ascontiguousarray(np.moveaxis(image01, -1, 0), np.float32))[None].to(device)
+    else:
+        x = torch.from_numpy(np.ascontiguousarray(image01, np.float32))[None, None].to(device).expand(1, 3, -1, -1)
     x = _pad(x, gh * p - h, gw * p - w)
-    x = normalize(x.expand(1, 3, -1, -1))
+    x = normalize(x)
     dtype = next(model.parameters()).dtype
     out, count = None, torch.zeros(1, gh, gw, device=device)
     for y0 in _starts(gh, t, t - o):
