@@ -23,17 +23,17 @@ a test can find which step holds which transform.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Literal, Optional, Sequence
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 from alibi_vit.images import IntensityMode, check_intensity, list_images, load_image, normalize
 
 from . import DatasetLayoutError, usable_workers
+from .segmentation import EpochSubsetSampler
 
 __all__ = ["RASA_VOC_TRAIN_IMAGES", "AugmentedImageDataset", "RASAAugmentation", "RASADataModule", "SeededSampler"]
 
@@ -106,38 +106,23 @@ class AugmentedImageDataset(Dataset):
         return self.transform(load_image(self.files[index], self.intensity), seed)
 
 
-class SeededSampler(DistributedSampler):
+class SeededSampler(EpochSubsetSampler):
     """Each epoch: ``num_samples`` images (all, shuffled, by default; else a fresh random draw of distinct
     images) with one augmentation seed each, both drawn from ``seed + epoch``; split over processes like
-    ``DistributedSampler``. Yields ``(index, sample_seed)`` pairs. Lightning calls ``set_epoch``."""
+    :class:`~datamodules.segmentation.EpochSubsetSampler`. Yields ``(index, sample_seed)`` pairs."""
+
+    option = "samples_per_epoch"
 
     def __init__(self, dataset, num_samples: Optional[int] = None, seed: int = 0, num_replicas: int | None = None,
                  rank: int | None = None):
-        if num_replicas is None or rank is None:
-            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-            num_replicas = num_replicas if num_replicas is not None else (
-                torch.distributed.get_world_size() if distributed else 1)
-            rank = rank if rank is not None else (torch.distributed.get_rank() if distributed else 0)
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
-        n = len(dataset) if num_samples is None else int(num_samples)
-        if not 0 < n <= len(dataset):
-            raise ValueError(f"samples_per_epoch={num_samples} must be between 1 and the {len(dataset)} training "
-                             "images (null: every image once per epoch)")
-        self.subset_size = n
-        self.num_samples = math.ceil(n / num_replicas)
-        self.total_size = self.num_samples * num_replicas
+        super().__init__(dataset, len(dataset) if num_samples is None else int(num_samples), seed, num_replicas, rank)
 
-    def epoch_items(self) -> list[tuple[int, int]]:
+    def epoch_indices(self) -> list[tuple[int, int]]:
         """This epoch's (index, sample seed) pairs, the same in every process."""
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(len(self.dataset), generator=g)[:self.subset_size].tolist()
         seeds = torch.randint(0, 2**31 - 1, (self.subset_size,), generator=g).tolist()
         return list(zip(order, seeds))
-
-    def __iter__(self):
-        items = self.epoch_items()
-        items += items[:self.total_size - len(items)]
-        return iter(items[self.rank:self.total_size:self.num_replicas])
 
 
 class RASADataModule(L.LightningDataModule):

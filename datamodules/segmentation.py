@@ -355,6 +355,8 @@ class EpochSubsetSampler(DistributedSampler):
     a ``DistributedSampler``, leaves it in place under DDP instead of wrapping it.
     """
 
+    option = "train_samples_per_epoch"  # the datamodule option that sets num_samples, for its error message
+
     def __init__(self, dataset, num_samples: int, seed: int = 0, num_replicas: int | None = None,
                  rank: int | None = None):
         if num_replicas is None or rank is None:
@@ -364,7 +366,7 @@ class EpochSubsetSampler(DistributedSampler):
             rank = rank if rank is not None else (torch.distributed.get_rank() if distributed else 0)
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
         if not 0 < num_samples <= len(dataset):
-            raise ValueError(f"train_samples_per_epoch={num_samples} must be between 1 and the {len(dataset)} "
+            raise ValueError(f"{self.option}={num_samples} must be between 1 and the {len(dataset)} "
                              "training images (null: every image once per epoch)")
         self.subset_size = num_samples
         self.num_samples = math.ceil(num_samples / num_replicas)  # per process, what __len__ reports

@@ -58,7 +58,7 @@ def test_vertical_flip_appears_in_a_batch_at_the_seeded_step(tmp_path):
     # where it is follows from the sampler's per-sample seed alone
     sampler = SeededSampler(dm.train_set, 1, seed=3)
     sampler.set_epoch(step)
-    (index, sample_seed), = sampler.epoch_items()
+    (index, sample_seed), = sampler.epoch_indices()
     direct = dm.augmentation(load_image(folder / "a.png", "dtype"), sample_seed)
     torch.testing.assert_close(direct, views[names[step]], atol=1e-5, rtol=0)
 
