@@ -40,10 +40,6 @@ def run(args) -> int:
         raise ValueError(f"--threshold is a prefix mass in (0, 1], got {args.threshold}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
-    try:
-        from matplotlib.figure import Figure  # noqa: F401  (fail before the work)
-    except ImportError:
-        raise ValueError("the heads figure needs matplotlib: pip install matplotlib") from None
     args.out.parent.mkdir(parents=True, exist_ok=True)  # an unusable --out fails now, not after the work
     weights = weights_of(args)
     # Native sizes first: an image smaller than a patch has no patch of its own to resize from.

@@ -250,7 +250,9 @@ def _apply(args) -> int:
         stack = read_slices(path)
         return (stack, True) if stack is not None else ([read_array(path)], False)
 
-    for path in files:  # a colour model given grayscale images (or the reverse) fails before any work
+    # A colour model given grayscale images (or the reverse) fails before the progress bar and any output:
+    # one image is read twice for that, so the error stays a single clean line.
+    for path in files:
         try:
             first = read(path)[0][0]
         except (OSError, ValueError):

@@ -12,10 +12,9 @@ import numpy as np
 
 from ..images import check_intensity, load_grayscale
 
-__all__ = ["IMAGE_SUFFIXES", "area_fractions", "read_slices", "as_grayscale", "as_label_image", "list_image_files", "overlay",
-           "read_array", "read_grayscale", "read_labels", "to_unit_float", "write_colour_key", "write_fractions_csv",
-           "write_mask",
-           "write_proba"]
+__all__ = ["IMAGE_SUFFIXES", "area_fractions", "as_grayscale", "as_label_image", "list_image_files", "overlay",
+           "read_array", "read_grayscale", "read_labels", "read_slices", "to_unit_float", "write_colour_key",
+           "write_fractions_csv", "write_mask", "write_proba"]
 
 IMAGE_SUFFIXES = (".png", ".tif", ".tiff", ".jpg", ".jpeg", ".bmp")
 
