@@ -26,6 +26,7 @@ SUBCOMMANDS = {
     "channels": "a teacher's most positional channels, ranked by per-channel positional R²",
     "overcluster": "OverClustering mIoU of frozen backbones on Pascal VOC, with positional R² and probe mIoU side by side",
     "segment": "trainable segmentation of micrographs: train, apply, benchmark",
+    "app": "interactive trainable segmentation in the browser: scribble, train, see, export",
     "heads": "attention-head diagnostics: sink, self and local heads, reach and prefix mass per layer and head",
 }
 

@@ -165,11 +165,14 @@ def palette(k: int) -> np.ndarray:
     return np.concatenate([np.zeros((1, 3), np.uint8), np.tile(base, (reps, 1))[:k]])
 
 
-def overlay(image01: np.ndarray, mask: np.ndarray, alpha: float = 0.4, k: int | None = None) -> np.ndarray:
+def overlay(image01: np.ndarray, mask: np.ndarray, alpha: float = 0.4, k: int | None = None,
+            colours: np.ndarray | None = None) -> np.ndarray:
     """(H, W, 3) uint8: the image (grayscale (H, W), or RGB (H, W, 3) in its own colours) with the
-    classes of ``mask`` tinted on it (0 stays untinted)."""
+    classes of ``mask`` tinted on it (0 stays untinted), in :func:`palette` colours or in ``colours``
+    (a (max class + 1, 3) uint8 table indexed by class value)."""
     k = int(mask.max()) if k is None else k
-    colours = palette(k).astype(np.float32)[mask]
+    table = palette(k) if colours is None else np.asarray(colours, np.uint8)
+    colours = table.astype(np.float32)[mask]
     if image01.ndim == 3:
         gray = np.clip(image01[..., :3], 0, 1) * 255.0
     else:

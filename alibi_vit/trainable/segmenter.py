@@ -169,6 +169,12 @@ class TrainableSegmenter:
         (:func:`~alibi_vit.trainable.classical.classical_features_torch`, equal to float32 rounding).
         A runtime choice, not saved with the model.
     seed: seeds subsampling and the classifier. progress: show progress bars.
+    intensity_range: with intensity "training", a fixed (lo, hi) that fit() keeps instead of fitting
+        one (the app fits it once on all of a session's images, so features computed when an image is
+        opened stay valid whatever is labelled later). Saved like a fitted one.
+    cache: a :class:`~alibi_vit.trainable.cache.FeatureCache` that keeps the classical features of
+        each tile and the ViT patch features of each image between calls (interactive retraining);
+        entries are keyed by the scaled pixels, so results are exactly those without it. Runtime only.
     """
 
     def __init__(self, backbone=None, classifier: str = "xgboost", crf: bool | str = False, *, checkpoint=None,
@@ -177,7 +183,7 @@ class TrainableSegmenter:
                  n_components: int = 9, vit_tile: int = 518, vit_overlap: int = 56, intensity: str = "training",
                  tile: int = 1036, max_samples: int = 500_000, feature_dtype=np.float32, device=None, seed: int = 0,
                  progress: bool = False, colour: str = "channels", classical_backend: str = "auto",
-                 feature_fn=None, modal: int = 0):
+                 feature_fn=None, modal: int = 0, intensity_range=None, cache=None):
         if classifier not in CLASSIFIERS:
             raise ValueError(f"classifier must be one of {CLASSIFIERS}, got {classifier!r}")
         if intensity not in INTENSITY:
@@ -215,6 +221,15 @@ class TrainableSegmenter:
         self.intensity_dtype = None  # the training images' dtype when they share one (intensity="training")
         self._dtype_warned = False
         self.intensity_range = None  # (lo, hi) in stored grey values, fitted by fit() with intensity="training"
+        self.fixed_intensity_range = None
+        if intensity_range is not None:
+            if intensity != "training":
+                raise ValueError(f'intensity_range is for intensity="training", not {intensity!r}')
+            lo, hi = (float(v) for v in intensity_range)
+            if not (np.isfinite(lo) and np.isfinite(hi) and hi >= lo):
+                raise ValueError(f"intensity_range must be two finite values lo <= hi, got {intensity_range!r}")
+            self.intensity_range = self.fixed_intensity_range = (lo, hi)
+        self.cache = cache
         self.backbone_spec = None
         self.vit = None
         if backbone is not None:
@@ -297,7 +312,7 @@ class TrainableSegmenter:
                 self.channels_ = 1
             dtypes = {im.dtype.name for im in images}
             self.intensity_dtype = dtypes.pop() if len(dtypes) == 1 and self.intensity == "training" else None
-            if self.intensity == "training":
+            if self.intensity == "training" and self.fixed_intensity_range is None:
                 self.intensity_range = fit_intensity_range(images, seed=self.seed, colour=self.colour == "channels")
         return [self.scale(im, f"{source} {i}") for i, im in enumerate(images)]
 
@@ -318,8 +333,19 @@ class TrainableSegmenter:
         if self.vit is None:
             return None, user
         if patch_feats is None:
-            patch_feats = self.vit.patch_features(image01)
+            patch_feats = self._patch_features(image01)
         return self.vit.project(patch_feats), user
+
+    def _patch_features(self, image01) -> np.ndarray:
+        """The backbone's raw patch features of one scaled image, through the cache when there is one."""
+        if self.cache is None:
+            return self.vit.patch_features(image01)
+        from .cache import array_digest
+
+        model = self.backbone_spec if "name" in self.backbone_spec else id(self.vit.model)
+        key = array_digest(image01, "vit", json.dumps(model, sort_keys=True, default=str), self.seed,
+                           self.vit_tile, self.vit_overlap)
+        return self.cache.get(key, lambda: self.vit.patch_features(image01))
 
     def _regions(self, shape):
         h, w = shape
@@ -327,21 +353,36 @@ class TrainableSegmenter:
             for c0 in range(0, w, self.tile):
                 yield r0, min(r0 + self.tile, h), c0, min(c0 + self.tile, w)
 
-    def _region_features(self, image01, maps, r0, r1, c0, c1) -> np.ndarray:
-        """(F, r1-r0, c1-c0) features of a core region, computed on it plus its halo."""
+    def _classical_region(self, image01, r0, r1, c0, c1) -> np.ndarray:
+        """(F, r1-r0, c1-c0) classical features of a core region, computed on it plus its halo
+        (through the cache when there is one: the key is the halo'd crop and the core's place in it)."""
         h, w = image01.shape[:2]
         g = self.halo
         R0, R1, C0, C1 = max(r0 - g, 0), min(r1 + g, h), max(c0 - g, 0), min(c1 + g, w)
         crop = image01[R0:R1, C0:C1]
-        channels = [crop] if crop.ndim == 2 else [crop[..., c] for c in range(crop.shape[-1])]
-        if self.classical_torch:
-            feats = [classical_features_torch(ch, self.sigmas, sigma_scale=self.sigma_scale,
-                                              device=self.device if str(self.device).startswith("cuda") else "cpu")
-                     for ch in channels]
-        else:
-            feats = [classical_features_chw(ch, self.sigmas, sigma_scale=self.sigma_scale, intensity=None)
-                     for ch in channels]
-        feats = [np.concatenate(feats)[:, r0 - R0:r1 - R0, c0 - C0:c1 - C0]]
+
+        def compute():
+            channels = [crop] if crop.ndim == 2 else [crop[..., c] for c in range(crop.shape[-1])]
+            if self.classical_torch:
+                device = self.device if str(self.device).startswith("cuda") else "cpu"
+                feats = [classical_features_torch(ch, self.sigmas, sigma_scale=self.sigma_scale, device=device)
+                         for ch in channels]
+            else:
+                feats = [classical_features_chw(ch, self.sigmas, sigma_scale=self.sigma_scale, intensity=None)
+                         for ch in channels]
+            return np.concatenate(feats)[:, r0 - R0:r1 - R0, c0 - C0:c1 - C0]
+
+        if self.cache is None:
+            return compute()
+        from .cache import array_digest
+
+        key = array_digest(crop, "classical", self.sigmas, self.sigma_scale, self.classical_torch,
+                           r0 - R0, r1 - R0, c0 - C0, c1 - C0)
+        return self.cache.get(key, lambda: np.ascontiguousarray(compute()))  # a copy: not a view of the halo'd crop
+
+    def _region_features(self, image01, maps, r0, r1, c0, c1) -> np.ndarray:
+        """(F, r1-r0, c1-c0) features of a core region: classical, then ViT, then the user's."""
+        feats = [self._classical_region(image01, r0, r1, c0, c1)]
         vit_map, user = maps
         if vit_map is not None:
             p = int(self.vit.model.patch_embed.patch_size[0])
@@ -362,6 +403,25 @@ class TrainableSegmenter:
         for r0, r1, c0, c1 in self._regions(x.shape[:2]):
             out[:, r0:r1, c0:c1] = self._region_features(x, vit_map, r0, r1, c0, c1)
         return np.moveaxis(out, 0, -1)
+
+    def precompute(self, image, on_progress=None) -> np.ndarray:
+        """Fill the cache with one image's features (the classical features of every tile, and the
+        backbone's patch features), so later fit()/predict() calls on it skip that work. Returns the
+        scaled image. ``on_progress(done, total)`` is called after each step."""
+        if self.cache is None:
+            raise ValueError("precompute() fills the feature cache: create the segmenter with cache=FeatureCache()")
+        (x,) = self._prepare([image])
+        regions = list(self._regions(x.shape[:2]))
+        total = len(regions) + (self.vit is not None)
+        if self.vit is not None:
+            self._patch_features(x)
+            if on_progress:
+                on_progress(1, total)
+        for i, (r0, r1, c0, c1) in enumerate(regions):
+            self._classical_region(x, r0, r1, c0, c1)
+            if on_progress:
+                on_progress(i + 1 + (self.vit is not None), total)
+        return x
 
     # ---- training -------------------------------------------------------------------------
     def fit(self, images, labels) -> "TrainableSegmenter":
@@ -395,7 +455,7 @@ class TrainableSegmenter:
         picks = self._sample(ys, classes)
         patch_feats = None
         if self.vit is not None:
-            patch_feats = [self.vit.patch_features(x) for x in tqdm(xs, desc="ViT features", disable=not self.progress)]
+            patch_feats = [self._patch_features(x) for x in tqdm(xs, desc="ViT features", disable=not self.progress)]
             self.vit.fit_patch_matrix(np.concatenate([f.reshape(f.shape[0], -1).T for f in patch_feats]))
         n = sum(int(p.sum()) for p in picks)
         X, Y = np.empty((n, len(self.feature_names)), self.feature_dtype), np.empty(n, np.int64)
