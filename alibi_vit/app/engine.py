@@ -76,7 +76,7 @@ class Engine:
     def close(self) -> None:
         for job in self.jobs.values():
             job.cancelled.set()
-        self.worker.shutdown(wait=False, cancel_futures=True)
+        self.worker.shutdown(wait=True, cancel_futures=True)
 
     # ---- the segmenter ----------------------------------------------------------------------
     def backbones(self) -> list:
@@ -250,12 +250,12 @@ class Engine:
                                + (f" (unknown: {', '.join(map(str, unknown))})" if unknown else ""))
         if scope not in ("image", "all"):
             raise SessionError(f"scope must be 'image' or 'all', got {scope!r}")
-        if scope == "image":
-            self.session.entry(image_id)
-        ids = list(self.session.images) if scope == "all" else [image_id]
         needs_model = [w for w in what if w != "labels"]
         if needs_model and self.model is None:
             raise SessionError(f"saving {', '.join(needs_model)} needs a trained model: press Train first", status=409)
+        if scope == "image":
+            self.session.entry(image_id)
+        ids = list(self.session.images) if scope == "all" else [image_id]
         model_dir = None
         if needs_model:  # the model as segment apply will load it, written before the job starts
             model_dir = self.out / "model" if "model" in what else self.session.folder / "model"
@@ -287,7 +287,7 @@ class Engine:
                     image = self.session.read(image_id)
                     mask = seg.predict([image])[0]
                     if "masks" in what:
-                        write_mask(self.out / "masks" / f"{image_id}.png", mask, k=int(seg.classes_.max()))
+                        write_mask(self.out / "masks" / f"{image_id}_mask.png", mask, k=int(seg.classes_.max()))
                     if "overlays" in what:
                         rgb = overlay(seg.scale(image), mask, colours=self.colours())
                         (self.out / "overlays").mkdir(parents=True, exist_ok=True)
