@@ -54,12 +54,12 @@ class Engine:
     """
 
     def __init__(self, session: Session, backbone: str | None = None, backbone_kwargs: dict | None = None,
-                 cache_bytes: int = 4 << 30, out: Path | None = None, device: str | None = None, tile: int = 518):
+                 cache_bytes: int = 4 << 30, out: Path | None = None, device: str | None = None):
         from ..trainable.cache import FeatureCache
 
         self.session, self.backbone, self.backbone_kwargs = session, backbone, dict(backbone_kwargs or {})
         self.out = Path(out) if out else session.folder / "export"
-        self.device, self.tile = device, tile
+        self.device = device
         self.cache = FeatureCache(cache_bytes)
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="alibi-vit-app")
         self.features: dict[str, dict] = {}  # id → {"state", "progress", "error"}
@@ -93,7 +93,7 @@ class Engine:
         if self._segmenter_key != key:
             kwargs = self.backbone_kwargs if backbone else {}
             self._segmenter = TrainableSegmenter(backbone, intensity_range=lo_hi, colour=self.session.colour,
-                                                 cache=self.cache, device=self.device, tile=self.tile, **kwargs)
+                                                 cache=self.cache, device=self.device, **kwargs)
             self._segmenter_key, self.model = key, None
             self.predictions.clear()
         self._segmenter.crf = "paper" if self.session.settings.get("crf") else False

@@ -21,6 +21,7 @@ import os
 import re
 import tempfile
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,8 @@ __all__ = ["DEFAULT_COLOURS", "ImageEntry", "Session", "SessionError", "rasteris
 FORMAT = 1
 MAX_CLASSES = 255  # label images are 8-bit
 MAX_RADIUS = 256
+KEEP_READ = 8  # images kept in memory as read (training reads every labelled image after each stroke)
+INTENSITY_SAMPLE = 16  # images the session's intensity range is fitted on, evenly spaced
 # Default class colours (the masks' palette of alibi_vit.trainable.io, as #rrggbb).
 DEFAULT_COLOURS = ("#e6194b", "#3cb44b", "#0082c8", "#ffe119", "#911eb4", "#46f0f0", "#f58231", "#f032e6",
                    "#d2f53c", "#fabebe")
@@ -140,6 +143,7 @@ class Session:
         self.intensity_range = None
         self.colour = None  # "channels" (all images colour or all grey) or "grey" (a mix), fixed at first need
         self.labels: dict[str, np.ndarray] = {}  # in memory, loaded on first use
+        self._read: OrderedDict[str, np.ndarray] = OrderedDict()
         self.allowed_roots = [Path(r).resolve() for r in allowed_roots] + [self.folder]
         if (self.folder / "session.json").is_file():
             self._load()
@@ -260,12 +264,20 @@ class Session:
         return self.images[image_id]
 
     def read(self, image_id: str) -> np.ndarray:
-        """The image's pixels as stored (one page of a stack)."""
+        """The image's pixels as stored (one page of a stack); the last few read stay in memory."""
         entry = self.entry(image_id)
+        with self.lock:
+            if image_id in self._read:
+                self._read.move_to_end(image_id)
+                return self._read[image_id]
         try:
             pages = _read_pages(entry.source)
         except (FileNotFoundError, ValueError) as err:
             raise SessionError(f"image {entry.name} cannot be read: {err}", status=409) from None
+        with self.lock:
+            self._read[image_id] = pages[entry.page or 0]
+            while len(self._read) > KEEP_READ:
+                self._read.popitem(last=False)
         return pages[entry.page or 0]
 
     # ---- classes --------------------------------------------------------------------------
@@ -380,15 +392,18 @@ class Session:
             return dict(self.settings)
 
     def fix_intensity(self) -> tuple[float, float]:
-        """The session's intensity range and colour handling, fitted once on all its images (what the
-        features of every image are computed with, so opening an image can compute them at once)."""
+        """The session's intensity range and colour handling, fitted once on its images (at most
+        INTENSITY_SAMPLE of them, evenly spaced): what the features of every image are computed with,
+        so opening an image can compute them at once."""
         from ..images import fit_intensity_range
 
         with self.lock:
             if self.intensity_range is None:
                 if not self.images:
                     raise SessionError("the session has no images: add or upload one", status=409)
-                arrays = [self.read(i) for i in self.images]
+                ids = list(self.images)
+                ids = [ids[i] for i in np.linspace(0, len(ids) - 1, min(len(ids), INTENSITY_SAMPLE)).round().astype(int)]
+                arrays = [self.read(i) for i in ids]
                 kinds = {a.ndim for a in arrays}
                 self.colour = "channels" if len(kinds) == 1 else "grey"
                 self.intensity_range = list(fit_intensity_range(arrays, colour=self.colour == "channels"))
