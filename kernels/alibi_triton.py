@@ -30,13 +30,21 @@ The bias is derived per tile, never materialised. Two interchangeable ways (``bi
   normalisation applied. Prefix (and out-of-range) tokens get codes that land in an appended
   run of zeros. Key codes are stored negated and both rows are padded past N to whole tiles
   (``kernels.alibi_bias.device_bias_lookup``), so codes load without masks and the gather adds.
-  Each call scales the table per head by ``m_h·log2(e)`` (a (heads, O(h·w))
-  array), and each program turns the codes of its resident tile into pointers once, outside
-  its loop (``Tbl + a_i``, or ``Tbl + (-b_j)`` in the dK/dV kernel). Per element that leaves one
-  64-bit multiply-add for the address, one gathered load from a table that stays in L1/L2,
-  and one add into the logits — no abs/min/sqrt, no multiply by the slope — which matters
-  because at head_dim 64 the MUFU unit is already as busy with ``exp2`` as the tensor cores
-  are with the two matmuls. The slope gradient (learned slopes only) gathers ``B`` from the
+  The gather reads pairs: adjacent tokens 2t, 2t+1 differ in their codes by one of a few values δ
+  (-1 inside an image row, others at row ends and prefix/padding boundaries), so a pair table,
+  built once per grid and cached, holds ``(T[c], T[c+δ])`` for each δ, and per-token pair codes
+  make keys 2t and 2t+1 (queries, in the dK/dV kernel whose tiles are keys × queries) read two
+  adjacent, 8-byte aligned entries: one 8-byte load and one 64-bit address per two elements, which
+  the compiler is told with ``max_contiguous``/``multiple_of`` hints. With one slope for all heads
+  each call scales the pair table by ``m·log2(e)`` (``TABLE == 1``); with a slope per head the
+  kernels gather from the cached unscaled table and multiply by their head's ``m_h·log2(e)``
+  (``TABLE == 2``), so no per-head table is built per call. Each program turns the codes of its
+  resident tile into pointers once, outside its loop (``Tbl + 2·a_i``, or ``Tbl + 2·(-b_j)`` in the
+  dK/dV kernel). Per element pair that leaves one 64-bit add for the address, one 8-byte gathered
+  load from a table that stays in L1/L2, and one add into the logits each — no abs/min/sqrt — which
+  matters because at head_dim 64 the MUFU unit is already as busy with ``exp2`` as the tensor cores
+  are with the two matmuls. The slope gradient (learned slopes only) needs ``B`` itself: the
+  ``TABLE == 2`` kernels gather it anyway, a single learned slope gathers it from the
   unscaled table as well. With one slope for every head (``slopes=None``, the default) the bias
   is the same for all heads: forward and dQ programs then compute two heads (``HEAD_PAIR``) and
   each gathered value serves both (16-bit inputs, head_dim <= 64, even head counts).
@@ -95,6 +103,7 @@ The op is registered with ``torch.library`` (``alibi_vit::alibi_attention_fwd`` 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import os
@@ -772,16 +781,43 @@ def _table_mode(slopes, use_table):
     return 1 if slopes.numel() == 1 else 2
 
 
+@functools.lru_cache(maxsize=8)
+def unit_slope(device: torch.device) -> torch.Tensor:
+    """The (1,) fp32 slope 1 that ``slopes=None`` stands for, one tensor per device (never written), so
+    calls without slopes allocate nothing for it and reuse the tables scaled for it."""
+    return torch.ones(1, device=device, dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_scaled(tbl):
+    # log2(e)·tbl for the unit slope, cached with the (cached) table it scales.
+    return tbl * LOG2E
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_per_head(device, heads):
+    return torch.ones(heads, device=device, dtype=torch.float32)
+
+
+def _is_unit(slopes):
+    return slopes is unit_slope(slopes.device)
+
+
 def _scaled_table(tbl, slopes, table):
-    """The table the kernels gather from: scaled by slope·log2(e) when TABLE == 1, else as cached."""
+    """The table the kernels gather from: scaled by slope·log2(e) when TABLE == 1 (cached for the unit
+    slope of ``slopes=None``), else as cached."""
     if table == 1:
+        if _is_unit(slopes):
+            return _unit_scaled(tbl)
         return (slopes.detach().to(torch.float32) * LOG2E) * tbl
     return tbl
 
 
 def _per_head(slopes, heads):
     # The kernels read one slope per head; a single slope (slopes=None) stands for all heads.
-    return slopes.expand(heads).contiguous() if slopes.numel() == 1 else slopes
+    if slopes.numel() != 1:
+        return slopes
+    return _unit_per_head(slopes.device, heads) if _is_unit(slopes) else slopes.expand(heads).contiguous()
 
 
 def head_pair(q, slopes, use_table):
@@ -852,9 +888,11 @@ def _launch_bwd(do, q, k, v, o, lse, slopes, h, w, prefix, wrap, normalize, use_
     geometry = (h, w), device_bias_lookup(h, w, prefix, wrap, normalize, use_table, q.device, metric)
     _check_tile_offsets("grad_output", do)
     delta = q.new_empty((bsz, heads, n), dtype=torch.float32)
-    dq, dk, dv = _new_bnhd(q), _new_bnhd(q), _new_bnhd(q)
+    dk, dv = _new_bnhd(q), _new_bnhd(q)
+    dq = _new_bnhd(q) if need_dq else dk  # without dQ no kernel writes it (dk stands in for the pointer)
     assert dq.stride() == dk.stride() == dv.stride()  # the kernels share one set of gradient strides
-    dsl = q.new_empty((bsz, heads, n) if need_dslopes else (1,), dtype=torch.float32)
+    # Without a slope gradient no kernel writes the partials (delta stands in for the pointer).
+    dsl = q.new_empty((bsz, heads, n), dtype=torch.float32) if need_dslopes else delta
     atomic_dq = atomic_dq and need_dq
     # Atomic dQ: the dK/dV kernel adds into an fp32 buffer of the same layout (so the same strides).
     dq_acc = _new_bnhd(q, torch.float32).zero_() if atomic_dq else dq
@@ -1059,7 +1097,7 @@ def triton_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, 
     q, k, v = autocast_inputs(q, k, v)
     h, w, prefix = _validate(q, k, v, grid_size, num_prefix_tokens, slopes, bias_mode)
     if slopes is None:
-        slopes32 = torch.ones(1, device=q.device, dtype=torch.float32)  # one slope for all heads
+        slopes32 = unit_slope(q.device)  # one slope for all heads
     else:
         slopes32 = slopes.to(torch.float32)  # differentiable cast: the gradient returns in slopes' dtype
     if metric == "euclidean":
