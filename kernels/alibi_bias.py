@@ -162,24 +162,55 @@ CODE_PAD = 128
 def device_bias_lookup(h: int, w: int, prefix: int, wrap: bool, normalize: bool, table: bool, device: torch.device,
                        metric: str = "euclidean"):
     """:func:`bias_lookup` in the fused kernel's form on ``device``, built once per grid and options:
-    ``(codes, table, bias_norm)`` with codes int32 of shape (2, ⌈N / CODE_PAD⌉·CODE_PAD) and table fp32.
+    ``(codes, table, bias_norm, pair_table)`` with codes int32 of shape (4, ⌈N / CODE_PAD⌉·CODE_PAD) and the
+    tables fp32.
 
     The codes of tokens past N repeat the prefix tokens' (``q_pad``, ``k_pad``: zero bias, or row -1
     in sqrt mode), so the kernels load whole tiles without masks; in table mode the key row holds
-    ``-b_j`` (pre-negated), so the kernels' gathers add a query and a key code."""
+    ``-b_j`` (pre-negated), so the kernels' gathers add a query and a key code.
+
+    Key pairs (table mode; the forward and dQ kernels): keys ``2t`` and ``2t+1`` differ in their
+    (negated) codes by ``δ_t = b_2t - b_2t+1``, one of a few values (-1 inside an image row, others at
+    row ends and prefix/padding boundaries). ``pair_table`` holds, for each distinct ``δ`` (index
+    ``p``) and each table index ``c``, the two values ``(values[c], values[c + δ])`` at flat position
+    ``2·(p·L + c)`` (L = len(values); 0 where ``c + δ`` leaves the table), and row 2 of ``codes``
+    holds ``2·(p_t·L - b_2t) + e`` for key ``j = 2t + e``. So ``pair_table[2·a_i + codes[2, j]]`` is
+    ``B_ij`` and keys 2t, 2t+1 read adjacent, 8-byte aligned entries: one 8-byte load gives the bias of
+    two adjacent keys. The same for query pairs (the dK/dV kernel, whose tiles are keys × queries):
+    after the key-pair entries, ``pair_table`` holds ``(values[c], values[c + a_2t+1 - a_2t])`` pairs and
+    row 3 of ``codes`` the query-pair codes (offset past the key-pair entries):
+    ``pair_table[codes[3, i] - 2·b_j] = B_ij``. In sqrt mode rows 2 and 3 are zeros and ``pair_table`` is
+    a single zero."""
     codes, values, q_pad, k_pad, bias_norm = bias_lookup((h, w), prefix, wrap=wrap, normalize=normalize, table=table,
                                                          metric=metric)
     if codes.abs().max() >= 2**31 or values.numel() >= 2**31:
         raise ValueError(f"grid {h}x{w} is too large for int32 bias codes")
     n = codes.shape[1]
-    padded = torch.empty(2, -(-n // CODE_PAD) * CODE_PAD, dtype=torch.int64)
-    padded[:, :n] = codes
+    padded = torch.zeros(4, -(-n // CODE_PAD) * CODE_PAD, dtype=torch.int64)
+    padded[:2, :n] = codes
+    pair_table = torch.zeros(1, dtype=torch.float64)
     if table:
         padded[0, n:], padded[1, n:] = q_pad, k_pad
         padded[1] = -padded[1]
+        length = values.numel()
+        tables, base = [], 0
+        for side in (1, 0):  # key pairs (forward, dQ), then query pairs (dK/dV)
+            first, delta = padded[side, 0::2], padded[side, 1::2] - padded[side, 0::2]
+            deltas, pattern = torch.unique(delta, return_inverse=True)
+            second = torch.arange(length)[None, :] + deltas[:, None]
+            inside = (second >= 0) & (second < length)
+            tables.append(torch.stack([values.expand(len(deltas), length),
+                                       torch.where(inside, values[second.clamp(0, length - 1)], 0.0)], dim=-1).flatten())
+            padded[3 - side] = (base + 2 * (pattern * length + first)).repeat_interleave(2) + torch.arange(2).repeat(
+                len(first))
+            base += tables[-1].numel()
+        if base >= 2**31:
+            raise ValueError(f"grid {h}x{w} is too large for int32 bias codes")
+        pair_table = torch.cat(tables)
     else:
         padded[0, n:], padded[1, n:] = -1, 0
-    return padded.to(device=device, dtype=torch.int32), values.to(device=device, dtype=torch.float32), bias_norm
+    return (padded.to(device=device, dtype=torch.int32), values.to(device=device, dtype=torch.float32), bias_norm,
+            pair_table.to(device=device, dtype=torch.float32))
 
 
 @lru_cache(maxsize=16)

@@ -30,13 +30,21 @@ The bias is derived per tile, never materialised. Two interchangeable ways (``bi
   normalisation applied. Prefix (and out-of-range) tokens get codes that land in an appended
   run of zeros. Key codes are stored negated and both rows are padded past N to whole tiles
   (``kernels.alibi_bias.device_bias_lookup``), so codes load without masks and the gather adds.
-  Each call scales the table per head by ``m_h·log2(e)`` (a (heads, O(h·w))
-  array), and each program turns the codes of its resident tile into pointers once, outside
-  its loop (``Tbl + a_i``, or ``Tbl + (-b_j)`` in the dK/dV kernel). Per element that leaves one
-  64-bit multiply-add for the address, one gathered load from a table that stays in L1/L2,
-  and one add into the logits — no abs/min/sqrt, no multiply by the slope — which matters
-  because at head_dim 64 the MUFU unit is already as busy with ``exp2`` as the tensor cores
-  are with the two matmuls. The slope gradient (learned slopes only) gathers ``B`` from the
+  The gather reads pairs: adjacent tokens 2t, 2t+1 differ in their codes by one of a few values δ
+  (-1 inside an image row, others at row ends and prefix/padding boundaries), so a pair table,
+  built once per grid and cached, holds ``(T[c], T[c+δ])`` for each δ, and per-token pair codes
+  make keys 2t and 2t+1 (queries, in the dK/dV kernel whose tiles are keys × queries) read two
+  adjacent, 8-byte aligned entries: one 8-byte load and one 64-bit address per two elements, which
+  the compiler is told with ``max_contiguous``/``multiple_of`` hints. With one slope for all heads
+  each call scales the pair table by ``m·log2(e)`` (``TABLE == 1``); with a slope per head the
+  kernels gather from the cached unscaled table and multiply by their head's ``m_h·log2(e)``
+  (``TABLE == 2``), so no per-head table is built per call. Each program turns the codes of its
+  resident tile into pointers once, outside its loop (``Tbl + 2·a_i``, or ``Tbl + 2·(-b_j)`` in the
+  dK/dV kernel). Per element pair that leaves one 64-bit add for the address, one 8-byte gathered
+  load from a table that stays in L1/L2, and one add into the logits each — no abs/min/sqrt — which
+  matters because at head_dim 64 the MUFU unit is already as busy with ``exp2`` as the tensor cores
+  are with the two matmuls. The slope gradient (learned slopes only) needs ``B`` itself: the
+  ``TABLE == 2`` kernels gather it anyway, a single learned slope gathers it from the
   unscaled table as well. With one slope for every head (``slopes=None``, the default) the bias
   is the same for all heads: forward and dQ programs then compute two heads (``HEAD_PAIR``) and
   each gathered value serves both (16-bit inputs, head_dim <= 64, even head counts).
@@ -95,6 +103,7 @@ The op is registered with ``torch.library`` (``alibi_vit::alibi_attention_fwd`` 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import os
@@ -266,12 +275,15 @@ def _bias_tile(qa, qb, ka, kb, Tbl, h, w,
     Shape (queries, keys), or (keys, queries) when KEYS_FIRST.
     """
     if TABLE:
-        # The resident side arrives as pointers (Tbl + query code, or Tbl + negated key code), built
-        # once outside the loop: one 64-bit multiply-add per element forms the address.
+        # The resident side arrives as pointers into the pair table (Tbl + 2·(negated key code), or
+        # Tbl + 2·query code), built once outside the loop; the other side's pair codes make adjacent
+        # queries (keys) 2t, 2t+1 read adjacent, 8-byte aligned entries (kernels.alibi_bias.device_bias_lookup),
+        # so the gather is one 8-byte load per pair of elements.
         if KEYS_FIRST:
-            bias = tl.load(ka[:, None] + qa[None, :])
+            ptrs = ka[:, None] + qa[None, :]
         else:
-            bias = tl.load(qa[:, None] + ka[None, :])
+            ptrs = qa[:, None] + ka[None, :]
+        bias = tl.load(tl.max_contiguous(tl.multiple_of(ptrs, [4, 8]), [1, 2]))
     else:
         if KEYS_FIRST:
             dy = ka[:, None] - qa[None, :]
@@ -293,8 +305,10 @@ def _bias_tile(qa, qb, ka, kb, Tbl, h, w,
 
 @triton.jit
 def _scaled_bias(bias, b_scale, TABLE: tl.constexpr):
-    """The bias term of the base-2 logits: the per-head table already holds slope·log2(e)·B."""
-    if TABLE:
+    """The bias term of the base-2 logits: TABLE == 1, the table already holds slope·log2(e)·B; TABLE == 2
+    (forward and dQ kernels with per-head slopes: one unscaled table for all heads), or sqrt mode: times
+    ``b_scale`` = slope·log2(e)·norm."""
+    if TABLE == 1:
         return bias
     else:
         return bias * b_scale
@@ -310,8 +324,14 @@ def _row_bias(qa, qb, start_n, Codes, Tbl, N, h, w, code_stride, b_scale,
     """The bias term of the base-2 logits of the resident query rows against keys start_n.. (forward
     and dQ kernels), or 0.0 when the bias is compiled out."""
     if HAS_BIAS:
-        ka, kb = _load_codes(Codes, start_n + tl.arange(0, BLOCK_N), code_stride, True, TABLE)
-        return _scaled_bias(_bias_tile(qa, qb, ka, kb, Tbl, h, w, TABLE, WRAP, False), b_scale, TABLE)
+        if TABLE:
+            # Key-pair codes (row 2 of Codes) against qa = pair table + 2·a_i.
+            kp = tl.load(Codes + 2 * code_stride + start_n + tl.arange(0, BLOCK_N))
+            bias = _bias_tile(qa, qb, kp, kp, Tbl, h, w, TABLE, WRAP, False)
+        else:
+            ka, kb = _load_codes(Codes, start_n + tl.arange(0, BLOCK_N), code_stride, True, TABLE)
+            bias = _bias_tile(qa, qb, ka, kb, Tbl, h, w, TABLE, WRAP, False)
+        return _scaled_bias(bias, b_scale, TABLE)
     else:
         return 0.0
 
@@ -420,8 +440,8 @@ def _alibi_fwd_kernel(Q, K, V, O, LSE, Slopes, Codes, Tbl,
     q_off = offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd
     q = tl.load(Q + q_off, mask=mask_m[:, None], other=0.0)
     qa, qb = _load_codes(Codes, offs_m, code_stride, False, TABLE)
-    if TABLE:
-        qa = Tbl + off_h * tbl_stride + qa
+    if TABLE:  # into the key-pair table (see _row_bias)
+        qa = Tbl + off_h * tbl_stride + 2 * qa
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -498,7 +518,11 @@ def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Cod
         lse = tl.load(LSE + offs_m, mask=mask_m, other=float("inf"))
         delta = tl.load(Delta + offs_m, mask=mask_m, other=0.0)
         if HAS_BIAS:
-            qa, qb = _load_codes(Codes, offs_m, code_stride, False, TABLE)
+            if TABLE:  # query-pair codes (row 3 of Codes) against ka = pair table + 2·(negated key code)
+                qa = tl.load(Codes + 3 * code_stride + offs_m)
+                qb = qa
+            else:
+                qa, qb = _load_codes(Codes, offs_m, code_stride, False, TABLE)
         qkt = tl.dot(k, qt, input_precision=DOT_PREC)
         if HAS_BIAS:
             bias_t = _bias_tile(qa, qb, ka, kb, Tbl, h, w, TABLE, WRAP, True)
@@ -517,7 +541,7 @@ def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Cod
             tl.atomic_add(DQ + offs_m[:, None] * stride_gn + offs_d[None, :] * stride_gd, dq, mask=mask_m[:, None],
                           sem="relaxed")
         if COMPUTE_DSLOPE and HAS_BIAS:
-            if TABLE:  # dL/dm needs B itself: gather it from the unscaled table
+            if TABLE == 1:  # dL/dm needs B itself: gather it from the unscaled table (TABLE == 2 gathered it)
                 bias_t = _bias_tile(qa, qb, ku, kb, Tbl, h, w, TABLE, WRAP, True)
             dsl += tl.sum(dst * bias_t, 1)
     return dk, dv, dsl
@@ -560,9 +584,10 @@ def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, LSE, Delta, DSL, Slopes, Cod
     v = tl.load(V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=mask_n[:, None], other=0.0)
     ka, kb = _load_codes(Codes, offs_n, code_stride, True, TABLE)
     ku = ka
-    if TABLE:
-        ku = TblU + ka
-        ka = Tbl + off_h * tbl_stride + ka
+    if TABLE == 1:
+        ku = TblU + 2 * ka
+    if TABLE:  # into the query-pair half of the pair table (see _bias_tile)
+        ka = Tbl + off_h * tbl_stride + 2 * ka
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -663,8 +688,8 @@ def _alibi_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta, Slopes, Codes, Tbl,
     q, do, lse, delta = _dq_head(Q, DO, LSE + row, Delta + row, offs_m, offs_d, mask_m,
                                  stride_qn, stride_qd, stride_don, stride_dod)
     qa, qb = _load_codes(Codes, offs_m, code_stride, False, TABLE)
-    if TABLE:
-        qa = Tbl + off_h * tbl_stride + qa
+    if TABLE:  # into the key-pair table (see _row_bias)
+        qa = Tbl + off_h * tbl_stride + 2 * qa
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     q2, do2, lse2, delta2, dq2 = 0.0, 0.0, 0.0, 0.0, 0.0  # the pair's second head (placeholders without HEAD_PAIR)
@@ -746,19 +771,53 @@ def _dot_precision(dtype):
     return "tf32"
 
 
-def _head_tables(tbl, slopes, use_table):
-    """Table mode: (table, head stride) with one row per slope holding slope·log2(e)·B, so the inner
-    loops add the gathered value as it is (no per-element multiply). O(heads·h·w) floats, rebuilt per
-    call (learned slopes change); a single slope for all heads gives one row shared by all (stride 0)."""
+def _table_mode(slopes, use_table):
+    """The kernels' TABLE constexpr: 0 sqrt mode; 1 table mode with one slope for all heads (the kernels
+    gather slope·log2(e)·B from a table scaled per call, :func:`_scaled_table`, and add it as it is); 2
+    table mode with a slope per head (the kernels gather B from the cached unscaled tables, shared by all
+    heads, and multiply by their head's slope·log2(e): no per-head tables are built per call)."""
     if not use_table:
-        return tbl, 0
-    scaled = (slopes.detach().to(torch.float32)[:, None] * LOG2E) * tbl[None, :]
-    return scaled, (0 if scaled.shape[0] == 1 else scaled.stride(0))
+        return 0
+    return 1 if slopes.numel() == 1 else 2
+
+
+@functools.lru_cache(maxsize=8)
+def unit_slope(device: torch.device) -> torch.Tensor:
+    """The (1,) fp32 slope 1 that ``slopes=None`` stands for, one tensor per device (never written), so
+    calls without slopes allocate nothing for it and reuse the tables scaled for it."""
+    return torch.ones(1, device=device, dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_scaled(tbl):
+    # log2(e)·tbl for the unit slope, cached with the (cached) table it scales.
+    return tbl * LOG2E
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_per_head(device, heads):
+    return torch.ones(heads, device=device, dtype=torch.float32)
+
+
+def _is_unit(slopes):
+    return slopes is unit_slope(slopes.device)
+
+
+def _scaled_table(tbl, slopes, table):
+    """The table the kernels gather from: scaled by slope·log2(e) when TABLE == 1 (cached for the unit
+    slope of ``slopes=None``), else as cached."""
+    if table == 1:
+        if _is_unit(slopes):
+            return _unit_scaled(tbl)
+        return (slopes.detach().to(torch.float32) * LOG2E) * tbl
+    return tbl
 
 
 def _per_head(slopes, heads):
     # The kernels read one slope per head; a single slope (slopes=None) stands for all heads.
-    return slopes.expand(heads).contiguous() if slopes.numel() == 1 else slopes
+    if slopes.numel() != 1:
+        return slopes
+    return _unit_per_head(slopes.device, heads) if _is_unit(slopes) else slopes.expand(heads).contiguous()
 
 
 def head_pair(q, slopes, use_table):
@@ -772,13 +831,14 @@ def head_pair(q, slopes, use_table):
 def _fwd_args(q, k, v, o, lse, slopes, geometry, wrap, use_table):
     """(positional args, constexpr keyword args) of the forward kernel; also used by the SASS benchmark."""
     bsz, heads, n, d = q.shape
-    (h, w), (codes, tbl, bias_norm) = geometry
+    (h, w), (codes, tbl, bias_norm, pair_tbl) = geometry
     code_stride = codes.stride(0)
-    head_tbl, tbl_stride = _head_tables(tbl, slopes, use_table)
-    args = (q, k, v, o, lse, _per_head(slopes, heads), codes, head_tbl, *_strides(q), *_strides(k), *_strides(v),
+    table = _table_mode(slopes, use_table)
+    tbl_stride = 0
+    args = (q, k, v, o, lse, _per_head(slopes, heads), codes, _scaled_table(pair_tbl if table else tbl, slopes, table), *_strides(q), *_strides(k), *_strides(v),
             *_strides(o), heads, n, n_bucket(n), h, w, code_stride, tbl_stride, LOG2E / math.sqrt(d),
             LOG2E * bias_norm)
-    return args, dict(HEAD_DIM=d, TABLE=use_table, WRAP=wrap, COMPUTE_DSLOPE=False, DOT_PREC=_dot_precision(q.dtype),
+    return args, dict(HEAD_DIM=d, TABLE=table, WRAP=wrap, COMPUTE_DSLOPE=False, DOT_PREC=_dot_precision(q.dtype),
                       HEAD_PAIR=head_pair(q, slopes, use_table))
 
 
@@ -786,17 +846,23 @@ def _bwd_args(do, q, k, v, dq, dk, dv, lse, delta, dsl, slopes, geometry, wrap, 
     """(dK/dV args, dQ args, constexpr keyword args, dQ's HEAD_PAIR) of the backward kernels; also used by
     the SASS benchmark."""
     bsz, heads, n, d = q.shape
-    (h, w), (codes, tbl, bias_norm) = geometry
+    (h, w), (codes, tbl, bias_norm, pair_tbl) = geometry
     code_stride = codes.stride(0)
     sm_scale = 1.0 / math.sqrt(d)
-    head_tbl, tbl_stride = _head_tables(tbl, slopes, use_table)
+    table = _table_mode(slopes, use_table)
+    tbl_stride = 0
     pair = head_pair(q, slopes, use_table)
+    if table:  # every table-mode kernel gathers from the pair table
+        tbl = pair_tbl
+    scaled = _scaled_table(tbl, slopes, table)
     slopes = _per_head(slopes, heads)
-    common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-              heads, n, n_bucket(n), h, w, code_stride, tbl_stride, sm_scale * LOG2E, sm_scale, LOG2E * bias_norm)
-    dkdv = (q, k, v, do, dk, dv, dq, lse, delta, dsl, slopes, codes, head_tbl, tbl, *common, bias_norm)
-    dqa = (q, k, v, do, dq, lse, delta, slopes, codes, head_tbl, *common)
-    kw = dict(HEAD_DIM=d, TABLE=use_table, WRAP=wrap, DOT_PREC=_dot_precision(q.dtype))
+    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), heads, n, n_bucket(n), h, w,
+               code_stride)
+    scales = (sm_scale * LOG2E, sm_scale, LOG2E * bias_norm)
+    dkdv = (q, k, v, do, dk, dv, dq, lse, delta, dsl, slopes, codes, scaled, tbl, *strides, tbl_stride, *scales,
+            bias_norm)
+    dqa = (q, k, v, do, dq, lse, delta, slopes, codes, scaled, *strides, tbl_stride, *scales)
+    kw = dict(HEAD_DIM=d, TABLE=table, WRAP=wrap, DOT_PREC=_dot_precision(q.dtype))
     return dkdv, dqa, kw, pair
 
 
@@ -822,9 +888,11 @@ def _launch_bwd(do, q, k, v, o, lse, slopes, h, w, prefix, wrap, normalize, use_
     geometry = (h, w), device_bias_lookup(h, w, prefix, wrap, normalize, use_table, q.device, metric)
     _check_tile_offsets("grad_output", do)
     delta = q.new_empty((bsz, heads, n), dtype=torch.float32)
-    dq, dk, dv = _new_bnhd(q), _new_bnhd(q), _new_bnhd(q)
+    dk, dv = _new_bnhd(q), _new_bnhd(q)
+    dq = _new_bnhd(q) if need_dq else dk  # without dQ no kernel writes it (dk stands in for the pointer)
     assert dq.stride() == dk.stride() == dv.stride()  # the kernels share one set of gradient strides
-    dsl = q.new_empty((bsz, heads, n) if need_dslopes else (1,), dtype=torch.float32)
+    # Without a slope gradient no kernel writes the partials (delta stands in for the pointer).
+    dsl = q.new_empty((bsz, heads, n), dtype=torch.float32) if need_dslopes else delta
     atomic_dq = atomic_dq and need_dq
     # Atomic dQ: the dK/dV kernel adds into an fp32 buffer of the same layout (so the same strides).
     dq_acc = _new_bnhd(q, torch.float32).zero_() if atomic_dq else dq
@@ -1029,7 +1097,7 @@ def triton_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, 
     q, k, v = autocast_inputs(q, k, v)
     h, w, prefix = _validate(q, k, v, grid_size, num_prefix_tokens, slopes, bias_mode)
     if slopes is None:
-        slopes32 = torch.ones(1, device=q.device, dtype=torch.float32)  # one slope for all heads
+        slopes32 = unit_slope(q.device)  # one slope for all heads
     else:
         slopes32 = slopes.to(torch.float32)  # differentiable cast: the gradient returns in slopes' dtype
     if metric == "euclidean":

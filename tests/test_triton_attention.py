@@ -610,3 +610,28 @@ def test_bias_compiled_out_is_plain_attention():
         torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
     biased = at.triton_alibi_attention(q, k, v, grid, prefix, None, True, True)
     assert (biased - ref).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("grid,prefix,wrap", [((6, 7), 5, True), ((3, 5), 2, False)])
+def test_single_head_learned_slope_scales_the_table_per_call(grid, prefix, wrap):
+    """One head with a learned slope: the kernels add the per-call scaled table as it is (TABLE == 1)
+    and the slope gradient gathers B from the unscaled pair table."""
+    _run_and_compare(grid, prefix, wrap, True, 32, "table", "learned", torch.float32, heads=1)
+
+
+@pytest.mark.parametrize("grid,prefix,wrap", [((6, 7), 5, True), ((3, 5), 0, False), ((1, 1), 2, True),
+                                              ((2, 9), 3, True)])
+def test_pair_codes_reproduce_the_bias(grid, prefix, wrap):
+    """Key-pair (row 2) and query-pair (row 3) codes index the pair table to B, keys and queries past N
+    included (they gather zeros)."""
+    from kernels.alibi_bias import alibi_bias
+
+    codes, tbl, _, pair = device_bias_lookup(*grid, prefix, wrap, True, True, torch.device("cpu"))
+    n, n_pad = prefix + grid[0] * grid[1], codes.shape[1]
+    a, nb, kp, qp = codes.long()
+    want = torch.zeros(n_pad, n_pad)
+    want[:n, :n] = alibi_bias(grid, prefix, wrap=wrap)
+    assert torch.equal(tbl[a[:, None] + nb[None, :]], want)
+    assert torch.equal(pair[2 * a[:, None] + kp[None, :]], want)
+    assert torch.equal(pair[qp[:, None] + 2 * nb[None, :]], want)
+    assert (kp % 2 == torch.arange(n_pad) % 2).all() and (qp % 2 == torch.arange(n_pad) % 2).all()
