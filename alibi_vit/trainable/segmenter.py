@@ -317,7 +317,7 @@ class TrainableSegmenter:
         return [self.scale(im, f"{source} {i}") for i, im in enumerate(images)]
 
     def _vit_map(self, image01, patch_feats=None):
-        """(ViT map or None, user features (F, H, W) or None) of one scaled image."""
+        """(ViT map or None, user features (H, W, F) or None) of one scaled image."""
         user = None
         if self._feature_fn is not None:
             u = np.asarray(self._feature_fn(image01), np.float32)
@@ -329,7 +329,7 @@ class TrainableSegmenter:
             if self.n_user_features is not None and u.shape[-1] != self.n_user_features:
                 raise ValueError(f"feature_fn {self.feature_fn} returned {u.shape[-1]} features; the model was "
                                  f"trained with {self.n_user_features}")
-            user = np.moveaxis(u, -1, 0)
+            user = u
         if self.vit is None:
             return None, user
         if patch_feats is None:
@@ -354,8 +354,11 @@ class TrainableSegmenter:
                 yield r0, min(r0 + self.tile, h), c0, min(c0 + self.tile, w)
 
     def _classical_region(self, image01, r0, r1, c0, c1) -> np.ndarray:
-        """(F, r1-r0, c1-c0) classical features of a core region, computed on it plus its halo
-        (through the cache when there is one: the key is the halo'd crop and the core's place in it)."""
+        """(r1-r0, c1-c0, F) classical features of a core region, computed on it plus its halo
+        (through the cache when there is one: the key is the halo'd crop and the core's place in it).
+
+        Pixel-major and contiguous, so a region's rows go to the classifier without a transpose (for
+        a 1024² region that copy cost more than the prediction itself)."""
         h, w = image01.shape[:2]
         g = self.halo
         R0, R1, C0, C1 = max(r0 - g, 0), min(r1 + g, h), max(c0 - g, 0), min(c1 + g, w)
@@ -370,7 +373,8 @@ class TrainableSegmenter:
             else:
                 feats = [classical_features_chw(ch, self.sigmas, sigma_scale=self.sigma_scale, intensity=None)
                          for ch in channels]
-            return np.concatenate(feats)[:, r0 - R0:r1 - R0, c0 - C0:c1 - C0]
+            core = (np.concatenate(feats) if len(feats) > 1 else feats[0])[:, r0 - R0:r1 - R0, c0 - C0:c1 - C0]
+            return np.ascontiguousarray(np.moveaxis(core, 0, -1))
 
         if self.cache is None:
             return compute()
@@ -378,18 +382,18 @@ class TrainableSegmenter:
 
         key = array_digest(crop, "classical", self.sigmas, self.sigma_scale, self.classical_torch,
                            r0 - R0, r1 - R0, c0 - C0, c1 - C0)
-        return self.cache.get(key, lambda: np.ascontiguousarray(compute()))  # a copy: not a view of the halo'd crop
+        return self.cache.get(key, compute)
 
     def _region_features(self, image01, maps, r0, r1, c0, c1) -> np.ndarray:
-        """(F, r1-r0, c1-c0) features of a core region: classical, then ViT, then the user's."""
+        """(r1-r0, c1-c0, F) features of a core region: classical, then ViT, then the user's."""
         feats = [self._classical_region(image01, r0, r1, c0, c1)]
         vit_map, user = maps
         if vit_map is not None:
             p = int(self.vit.model.patch_embed.patch_size[0])
-            feats.append(_upsample_region(vit_map, p, r0, r1, c0, c1))
+            feats.append(np.moveaxis(_upsample_region(vit_map, p, r0, r1, c0, c1), 0, -1))
         if user is not None:
-            feats.append(user[:, r0:r1, c0:c1])
-        return np.concatenate(feats) if len(feats) > 1 else feats[0]
+            feats.append(user[r0:r1, c0:c1])
+        return np.concatenate(feats, axis=-1) if len(feats) > 1 else feats[0]
 
     def features(self, image) -> np.ndarray:
         """(H, W, F) per-pixel features of one image as the classifier sees them (whole image in memory)."""
@@ -397,12 +401,12 @@ class TrainableSegmenter:
             raise ValueError("the ViT PCA is fitted by fit(): call fit() before features() with a backbone")
         (x,) = self._prepare([image])
         vit_map = self._vit_map(x)
-        n_user = 0 if vit_map[1] is None else vit_map[1].shape[0]
+        n_user = 0 if vit_map[1] is None else vit_map[1].shape[-1]
         n = len(self._feature_names(1 if x.ndim == 2 else x.shape[-1])) - (self.n_user_features or 0) + n_user
-        out = np.empty((n,) + x.shape[:2], np.float32)
+        out = np.empty(x.shape[:2] + (n,), np.float32)
         for r0, r1, c0, c1 in self._regions(x.shape[:2]):
-            out[:, r0:r1, c0:c1] = self._region_features(x, vit_map, r0, r1, c0, c1)
-        return np.moveaxis(out, 0, -1)
+            out[r0:r1, c0:c1] = self._region_features(x, vit_map, r0, r1, c0, c1)
+        return out
 
     def precompute(self, image, on_progress=None) -> np.ndarray:
         """Fill the cache with one image's features (the classical features of every tile, and the
@@ -470,7 +474,7 @@ class TrainableSegmenter:
                 if not m:
                     continue
                 feats = self._region_features(x, vit_map, r0, r1, c0, c1)
-                X[row:row + m] = feats[:, sel].T
+                X[row:row + m] = feats[sel]
                 Y[row:row + m] = np.searchsorted(classes, y[r0:r1, c0:c1][sel])
                 row += m
         self.model_ = make_classifier(self.classifier_kind, seed=self.seed, **self.classifier_params)
@@ -509,8 +513,8 @@ class TrainableSegmenter:
         out = np.empty(x.shape[:2] + (k,), np.float32)
         for r0, r1, c0, c1 in self._regions(x.shape[:2]):
             feats = self._region_features(x, vit_map, r0, r1, c0, c1)
-            # Rows C-contiguous: XGBoost would otherwise copy them once more.
-            rows = np.ascontiguousarray(feats.reshape(feats.shape[0], -1).T, dtype=self.feature_dtype)
+            # Pixel-major features reshape to C-contiguous rows without a copy (XGBoost would copy others).
+            rows = np.ascontiguousarray(feats.reshape(-1, feats.shape[-1]), dtype=self.feature_dtype)
             out[r0:r1, c0:c1] = self.model_.predict_proba(rows).reshape(r1 - r0, c1 - c0, k)
         if self.crf:
             out = dense_crf_tiled(out, x, self.tile, CRF_OVERLAP, self.crf, **self.crf_params)
