@@ -197,7 +197,7 @@ def test_bad_input_gets_a_reason_and_the_server_goes_on(tmp_path, micrograph, st
     refused(client.post("/api/train", json={"image": "m0"}), 400, ["at least two classes", "nothing is labelled"])
     client.post("/api/images/m0/strokes", json={"class": 1, "radius": 3, "points": [[20, 20]]})
     refused(client.post("/api/train", json={"image": "m0"}), 400, ["only 'Pores' is labelled"])
-    refused(client.post("/api/images/m0/strokes", json={"class": 7, "radius": 3, "points": [[1, 1]]}), 404, ["no class 7"])
+    refused(client.post("/api/images/m0/strokes", json={"class": 7, "radius": 3, "points": [[1, 1]]}), 400, ["no class 7"])
     refused(client.post("/api/images/m0/strokes", json={"class": 1, "radius": 0, "points": [[1, 1]]}), 400, ["radius"])
     refused(client.post("/api/images/m0/strokes", json={"class": 1, "radius": 2, "points": []}), 400, ["point"])
     refused(client.get("/api/images/m0/mask.png"), 409, ["no trained model"])
@@ -252,3 +252,16 @@ def test_command_line_errors_are_one_line(tmp_path, capsys):
     assert "missing is neither an image file nor a folder" in capsys.readouterr().err
     assert main(["app", "--backbone", "alibi_vit_small_patch14_reg4_dinov2", "--session", str(tmp_path / "s")]) == 2
     assert "has no weights" in capsys.readouterr().err
+
+
+def test_a_stack_written_page_by_page_opens_as_one_image_per_page(tmp_path, start):
+    folder = tmp_path / "stacks"
+    folder.mkdir()
+    pages = [np.full((24, 32), 100 * (z + 1), np.uint16) for z in range(3)]
+    with tifffile.TiffWriter(folder / "fib.tif") as tif:
+        for page in pages:
+            tif.write(page, photometric="minisblack")  # one series per page
+    session, _, client = start(folder)
+    ids = [i["id"] for i in client.get("/api/state").json()["images"]]
+    assert ids == ["fib_z000", "fib_z001", "fib_z002"]
+    assert all(np.array_equal(session.read(i), p) for i, p in zip(ids, pages))

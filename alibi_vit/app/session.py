@@ -348,8 +348,8 @@ class Session:
 
     def add_stroke(self, image_id: str, cls, radius, points, erase: bool = False) -> int:
         entry = self.entry(image_id)
-        if not erase:
-            self.class_by_value(cls)
+        if not erase and not any(c["value"] == cls for c in self.classes):
+            raise SessionError(f"no class {cls!r}: add the class first (or draw with the eraser)")
         if not isinstance(radius, (int, float)) or not 1 <= radius <= MAX_RADIUS:
             raise SessionError(f"radius must be between 1 and {MAX_RADIUS} px, got {radius!r}")
         try:

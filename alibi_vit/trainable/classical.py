@@ -14,6 +14,8 @@ what lets :class:`~alibi_vit.trainable.TrainableSegmenter` featurise large image
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -63,6 +65,9 @@ def membrane_kernels(size: int = MEMBRANE_SIZE, angles: int = MEMBRANE_ANGLES) -
         k = ndi.rotate(base, 180.0 * i / angles, reshape=False, order=1, mode="constant")
         kernels.append(k / k.sum())
     return np.stack(kernels).astype(np.float32)
+
+
+_MEMBRANE_THREAD = ThreadPoolExecutor(1, thread_name_prefix="membrane")
 
 
 def _membrane(image: np.ndarray) -> list[np.ndarray]:
@@ -126,6 +131,9 @@ def classical_features_chw(image, sigmas=DEFAULT_SIGMAS, *, sigma_scale: float =
     else:
         x = to_unit_float(image, intensity)
     x = np.ascontiguousarray(x, dtype=np.float32)
+    # The membrane statistics (torch and numpy) overlap with the scipy filters below: both release
+    # the GIL for most of their time (1024² on 2 cores: 2.1 s → 1.7 s).
+    membrane = _MEMBRANE_THREAD.submit(_membrane, x)
     n_feat = len(classical_feature_names(sigmas))
     out = np.empty((n_feat,) + x.shape, dtype=dtype)
     blurs = []
@@ -147,7 +155,7 @@ def classical_features_chw(image, sigmas=DEFAULT_SIGMAS, *, sigma_scale: float =
         for i in range(j):
             out[col] = blurs[j] - blurs[i]
             col += 1
-    for feat in _membrane(x):
+    for feat in membrane.result():
         out[col] = feat
         col += 1
     assert col == n_feat

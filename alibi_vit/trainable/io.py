@@ -97,7 +97,8 @@ def read_slices(path) -> list[np.ndarray] | None:
     or None when ``path`` holds a single image (any other file, or a TIFF of one page).
 
     Every page of the file's first series is a slice (an ImageJ hyperstack's channels and times
-    too, in file order)."""
+    too, in file order); a file written page by page, one single-page series each of one shape,
+    is a stack of those pages."""
     path = Path(path)
     if path.suffix.lower() not in (".tif", ".tiff"):
         return None
@@ -109,7 +110,10 @@ def read_slices(path) -> list[np.ndarray] | None:
                 return None
             series = tif.series[0]
             page_shape = tuple(tif.pages[0].shape)
-            array = series.asarray()
+            if len(tif.series) == len(tif.pages) and all(tuple(s.shape) == page_shape for s in tif.series):
+                array = np.stack([s.asarray() for s in tif.series])  # written page by page: a series each
+            else:
+                array = series.asarray()
     except (OSError, ValueError, tifffile.TiffFileError) as err:
         raise ValueError(f"cannot read image {path}: {err}") from err
     if array.size % int(np.prod(page_shape)):

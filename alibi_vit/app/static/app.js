@@ -1,0 +1,1201 @@
+// alibi-vit app: the browser side of the interactive trainable segmentation (see API.md beside
+// this folder). Plain ES2020, no framework, nothing fetched but the app's own server.
+"use strict";
+
+(() => {
+  // ---------------------------------------------------------------- basics
+  const $ = (id) => document.getElementById(id);
+  const TOKEN = new URLSearchParams(location.search).get("token");
+  const POLL_MS = 500;          // /api/state while features are computed somewhere
+  const POLL_SHOWN_MS = 250;    // ... while the shown image's features are computed
+  const MAX_SCALE = 64;
+
+  // Timings read by the tests and benchmarks/bench_app.py: {event, ms, ...} measured with performance.now().
+  window.appTimings = [];
+  function timing(event, ms, extra = {}) {
+    window.appTimings.push({ event, ms: Math.round(ms * 10) / 10, ...extra });
+  }
+
+  class ApiError extends Error {
+    constructor(status, detail) {
+      super(detail);
+      this.status = status;
+    }
+  }
+
+  async function errorDetail(res) {
+    try {
+      const body = await res.json();
+      if (body && body.detail !== undefined) {
+        return typeof body.detail === "string" ? body.detail : JSON.stringify(body.detail);
+      }
+    } catch (_) { /* not JSON */ }
+    return `${res.status} ${res.statusText || "error"}`;
+  }
+
+  // Every request carries the token (X-Token); JSON in, JSON out; a 4xx/5xx throws ApiError(detail).
+  async function request(method, path, { json, raw } = {}) {
+    const headers = {};
+    if (TOKEN) headers["X-Token"] = TOKEN;
+    let body;
+    if (raw !== undefined) {
+      body = raw;
+      headers["Content-Type"] = "application/octet-stream";
+    } else if (json !== undefined) {
+      body = JSON.stringify(json);
+      headers["Content-Type"] = "application/json";
+    }
+    let res;
+    try {
+      res = await fetch(path, { method, headers, body, cache: "no-store" });
+    } catch (_) {
+      throw new ApiError(0, "the server does not answer: is alibi-vit app still running?");
+    }
+    if (!res.ok) throw new ApiError(res.status, await errorDetail(res));
+    return res;
+  }
+
+  async function api(method, path, json) {
+    const res = await request(method, path, { json });
+    const text = await res.text();
+    return text ? JSON.parse(text) : null;
+  }
+
+  // PNGs come as blobs (so the token header goes with them) and are decoded off the main thread.
+  async function fetchBitmap(path, data = false) {
+    const blob = await (await request("GET", path)).blob();
+    // Label values are data: no colour management may touch them.
+    return createImageBitmap(blob, data ? { colorSpaceConversion: "none", premultiplyAlpha: "none" } : {});
+  }
+
+  const nextFrame = () => new Promise((resolve) => requestAnimationFrame(() => resolve()));
+  const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+  const enc = encodeURIComponent;
+  const clamp = (v, lo, hi) => Math.min(hi, Math.max(lo, v));
+
+  function hexToRgb(hex) {
+    const m = /^#?([0-9a-f]{6})$/i.exec(hex || "");
+    const n = m ? parseInt(m[1], 16) : 0x888888;
+    return [(n >> 16) & 255, (n >> 8) & 255, n & 255];
+  }
+
+  function formatCount(n) {
+    if (n >= 1e6) return `${(n / 1e6).toFixed(1)}M`;
+    if (n >= 1e4) return `${Math.round(n / 1e3)}k`;
+    if (n >= 1e3) return `${(n / 1e3).toFixed(1)}k`;
+    return String(n);
+  }
+
+  // ---------------------------------------------------------------- state
+  const S = {
+    state: null,              // the last GET /api/state
+    current: null,            // id of the shown image
+    classValue: null,         // selected class value
+    erase: false,
+    live: false,
+    showOverlay: true,
+    showUncertainty: false,
+    showLabels: true,
+    view: { scale: 1, tx: 0, ty: 0 },
+    fitted: true,             // the view is "fit": refit when the window changes size
+    imgW: 0,
+    imgH: 0,
+    labels: null,             // Uint8Array: label values of the shown image, as the server has them
+    labelsVersion: null,
+    overlayShown: false,      // a prediction/uncertainty of the shown image is on the overlay layer
+    loadSeq: 0,               // bumps on every image switch: stale loads do not draw
+    drawing: null,            // the stroke under the pointer
+    pendingStrokes: 0,        // strokes sent and not answered
+    strokeQueue: Promise.resolve(),
+    pan: null,
+    spaceDown: false,
+    training: false,
+    trainAgain: false,
+    liveStrokeT0: null,       // pointer-up time of the first stroke not yet shown in a prediction
+    openedAt: new Map(),      // image id → performance.now() of its first open in this page
+    clickedAt: new Map(),     // ... and of the click that led to it
+    featuresReported: new Set(),
+    pollTimer: null,
+    saveJob: null,
+    pointer: null,            // last pointer position over the canvas area (area px)
+    stateSeq: 0,              // GET /api/state requests sent ...
+    stateApplied: 0,          // ... and the latest one shown (older answers are dropped)
+    settingsGen: 0,           // bumps when the page changes a setting
+    settingsInFlight: 0,      // PUT /api/settings not answered yet
+  };
+  window.app = {   // read-only peek for tests and debugging
+    get state() { return S.state; },
+    get current() { return S.current; },
+    get classValue() { return S.classValue; },
+    get view() { return { ...S.view }; },
+    get training() { return S.training; },
+    get labels() { return S.labels; },
+    get pendingStrokes() { return S.pendingStrokes + (S.drawing ? 1 : 0); },
+    get overlayShown() { return S.overlayShown; },
+  };
+
+  const imageById = (id) => (S.state ? S.state.images.find((im) => im.id === id) : undefined);
+  const classByValue = (v) => (S.state ? S.state.classes.find((c) => c.value === v) : undefined);
+
+  // ---------------------------------------------------------------- status line
+  let statusTimer = null;
+  function status(text, kind = "") {
+    const el = $("status");
+    el.textContent = text;
+    el.className = kind;
+    el.title = text;
+    clearTimeout(statusTimer);
+    if (kind === "ok") statusTimer = setTimeout(() => { if (el.textContent === text) { el.textContent = ""; el.className = ""; } }, 6000);
+  }
+  function showError(err, prefix = "") {
+    const msg = err instanceof Error ? err.message : String(err);
+    status(prefix + msg, "error");
+    console.warn(prefix + msg);
+  }
+
+  // ---------------------------------------------------------------- elements
+  const area = $("canvas-area");
+  const stage = $("stage");
+  const imageLayer = $("image-layer");
+  const labelLayer = $("label-layer");
+  const overlayLayer = $("overlay-layer");
+  const brushCursor = $("brush-cursor");
+  const imageCtx = imageLayer.getContext("2d");
+  const labelCtx = labelLayer.getContext("2d");
+  const overlayCtx = overlayLayer.getContext("2d");
+
+  // ---------------------------------------------------------------- state polling and rendering
+  async function refreshState() {
+    const seq = ++S.stateSeq, settingsGen = S.settingsGen;
+    let state;
+    try {
+      state = await api("GET", "/api/state");
+    } catch (err) {
+      showError(err);
+      schedulePoll(2000);
+      return null;
+    }
+    if (seq < S.stateApplied) return S.state;   // a newer answer is shown already
+    S.stateApplied = seq;
+    // Settings changed in the page since this request left: the page's controls are newer.
+    if ((settingsGen !== S.settingsGen || S.settingsInFlight) && S.state) state.settings = S.state.settings;
+    S.state = state;
+    render();
+    checkFeatures();
+    const shown = imageById(S.current);
+    if (shown && S.labelsVersion !== null && shown.version !== S.labelsVersion && !S.drawing && !S.pendingStrokes) {
+      loadLabels(S.current);   // changed elsewhere (another tab, undo from the API)
+    }
+    const running = state.images.some((im) => im.features === "running");
+    const shownWaiting = shown && (shown.features === "running" || shown.features === "pending") && S.openedAt.has(shown.id);
+    if (shownWaiting) schedulePoll(POLL_SHOWN_MS);
+    else if (running) schedulePoll(POLL_MS);
+    return state;
+  }
+
+  function schedulePoll(ms) {
+    if (S.pollTimer) return;
+    S.pollTimer = setTimeout(() => { S.pollTimer = null; refreshState(); }, ms);
+  }
+
+  function checkFeatures() {
+    const im = imageById(S.current);
+    if (!im) return;
+    if (im.features === "ready" && S.openedAt.has(im.id) && !S.featuresReported.has(im.id)) {
+      S.featuresReported.add(im.id);
+      const now = performance.now();
+      timing("features_ready", now - S.openedAt.get(im.id), { image: im.id, since_click_ms: Math.round(now - S.clickedAt.get(im.id)) });
+    }
+    if (im.features === "error" && !S.featuresReported.has(im.id)) {
+      S.featuresReported.add(im.id);
+      status(`features of ${im.name} failed: ${im.error || "unknown error"}`, "error");
+    }
+  }
+
+  function render() {
+    renderHeader();
+    renderImages();
+    renderClasses();
+    renderSettings();
+    renderModel();
+    renderFeaturesInfo();
+  }
+
+  function renderHeader() {
+    $("session-path").textContent = S.state.session || "";
+    $("session-path").title = `session folder: ${S.state.session || ""}`;
+  }
+
+  function featureText(im) {
+    switch (im.features) {
+      case "ready": return "features ready";
+      case "running": return `features ${Math.round((im.progress || 0) * 100)} %`;
+      case "error": return "features failed";
+      default: return S.openedAt.has(im.id) ? "features queued" : "not opened";
+    }
+  }
+
+  function renderImages() {
+    const list = $("image-list");
+    const images = S.state.images;
+    $("no-images").hidden = images.length > 0;
+    const rows = new Map([...list.children].map((li) => [li.dataset.id, li]));
+    images.forEach((im, i) => {
+      let li = rows.get(im.id);
+      if (!li) {
+        li = document.createElement("li");
+        li.className = "image-row";
+        li.dataset.id = im.id;
+        li.dataset.testid = `image-${im.id}`;
+        li.innerHTML = '<span class="name"></span><span class="meta"><span class="size"></span><span class="features"></span></span><span class="bar"><span></span></span>';
+        li.addEventListener("click", () => selectImage(im.id));
+      }
+      rows.delete(im.id);
+      if (list.children[i] !== li) list.insertBefore(li, list.children[i] || null);
+      li.classList.toggle("selected", im.id === S.current);
+      li.setAttribute("aria-selected", im.id === S.current ? "true" : "false");
+      li.dataset.features = im.features;
+      const labelled = Object.values(im.labelled || {}).reduce((a, b) => a + b, 0);
+      li.querySelector(".name").textContent = im.name;
+      li.title = `${im.name} (${im.id})${im.error ? `: ${im.error}` : ""}`;
+      const size = `${im.width}×${im.height}` + (labelled ? ` · ${formatCount(labelled)} px` : "");
+      li.querySelector(".size").textContent = size;
+      li.querySelector(".features").textContent = featureText(im);
+      const p = im.features === "ready" ? 1 : im.features === "running" ? (im.progress || 0) : 0;
+      li.querySelector(".bar > span").style.width = `${Math.round(p * 100)}%`;
+    });
+    rows.forEach((li) => li.remove());
+  }
+
+  function renderClasses() {
+    const list = $("class-list");
+    const classes = S.state.classes;
+    if (S.classValue !== null && !classByValue(S.classValue)) S.classValue = null;
+    if (S.classValue === null && classes.length) S.classValue = classes[0].value;
+    const counts = (imageById(S.current) || {}).labelled || {};
+    const rows = new Map([...list.children].map((li) => [Number(li.dataset.value), li]));
+    classes.forEach((c, i) => {
+      let li = rows.get(c.value);
+      if (!li) {
+        li = document.createElement("li");
+        li.className = "class-row";
+        li.dataset.value = String(c.value);
+        li.dataset.testid = `class-${c.value}`;
+        li.innerHTML = '<span class="key"></span><input type="color" title="class colour"><span class="name" title="double-click to rename"></span><span class="count"></span><button type="button" class="edit" title="rename">✎</button>';
+        li.addEventListener("click", (e) => {
+          if (e.target.closest("input, button")) return;
+          selectClass(c.value);
+        });
+        const colour = li.querySelector("input[type=color]");
+        colour.addEventListener("input", () => previewColour(c.value, colour.value));
+        colour.addEventListener("change", () => patchClass(c.value, { color: colour.value }));
+        colour.addEventListener("click", () => selectClass(c.value));
+        li.querySelector(".name").addEventListener("dblclick", () => startRename(c.value));
+        li.querySelector(".edit").addEventListener("click", () => startRename(c.value));
+      }
+      rows.delete(c.value);
+      if (list.children[i] !== li) list.insertBefore(li, list.children[i] || null);
+      li.classList.toggle("selected", c.value === S.classValue);
+      li.setAttribute("aria-selected", c.value === S.classValue ? "true" : "false");
+      li.querySelector(".key").textContent = c.value <= 9 ? String(c.value) : "";
+      const colour = li.querySelector("input[type=color]");
+      if (document.activeElement !== colour) colour.value = c.color;
+      li.dataset.color = c.color;
+      const name = li.querySelector(".name");
+      if (name) name.textContent = c.name;
+      li.querySelector(".count").textContent = counts[c.value] ? formatCount(counts[c.value]) : "";
+    });
+    rows.forEach((li) => li.remove());
+  }
+
+  function renderSettings() {
+    const s = S.state.settings || {};
+    const select = $("backbone");
+    const options = (s.backbones || [null]).map((b) => (b === null ? "" : b));
+    const have = [...select.options].map((o) => o.value);
+    if (JSON.stringify(have) !== JSON.stringify(options)) {
+      select.innerHTML = "";
+      for (const b of options) {
+        const o = document.createElement("option");
+        o.value = b;
+        o.textContent = b === "" ? "classical only" : b;
+        select.appendChild(o);
+      }
+    }
+    if (S.settingsInFlight) return;   // the controls show what the user just chose
+    select.value = s.backbone === null || s.backbone === undefined ? "" : s.backbone;
+    $("crf").checked = !!s.crf;
+    S.live = !!s.live;
+    $("live").checked = S.live;
+  }
+
+  function renderModel() {
+    const m = S.state.model;
+    $("model-info").textContent = m
+      ? `model #${m.id}: ${m.classes.length} classes, ${m.images} image(s), ${formatCount(m.pixels)} labelled px, trained in ${Number(m.seconds).toFixed(1)} s`
+      : "no model yet: label two classes or more, then train";
+  }
+
+  function renderFeaturesInfo() {
+    const im = imageById(S.current);
+    $("image-features").textContent = im ? `${im.name}: ${featureText(im)}` : "";
+  }
+
+  // ---------------------------------------------------------------- images
+  function resizeLayers(w, h) {
+    S.imgW = w;
+    S.imgH = h;
+    for (const c of [imageLayer, labelLayer, overlayLayer]) {
+      c.width = w;
+      c.height = h;
+      c.style.width = `${w}px`;
+      c.style.height = `${h}px`;
+    }
+    stage.style.width = `${w}px`;
+    stage.style.height = `${h}px`;
+  }
+
+  async function selectImage(id, { fit = true } = {}) {
+    const t0 = performance.now();
+    const im = imageById(id);
+    if (!im) return;
+    const seq = ++S.loadSeq;
+    S.current = id;
+    S.labels = null;
+    S.labelsVersion = null;
+    S.overlayShown = false;
+    S.drawing = null;
+    history.replaceState(null, "", `${location.pathname}${location.search}#image=${enc(id)}`);
+    $("empty-hint").hidden = true;
+    stage.classList.remove("empty");
+    resizeLayers(im.width, im.height);
+    overlayLayer.hidden = true;
+    clearFractions();
+    if (fit) fitView();
+    renderImages();
+    renderClasses();
+    renderFeaturesInfo();
+
+    // Features start computing in the background once the server has sent the image (on 2 cores,
+    // computing both at once would delay the image); /api/state says when they are ready.
+    const open = () => {
+      if (!S.openedAt.has(id)) {
+        S.openedAt.set(id, performance.now());
+        S.clickedAt.set(id, t0);
+      }
+      api("POST", `/api/images/${enc(id)}/open`)
+        .then(() => refreshState())
+        .catch((err) => showError(err, `${im.name}: `));
+    };
+    loadLabels(id);
+    if (im.prediction && S.state.model) {
+      showPrediction(id).catch((err) => showError(err));
+    }
+
+    let bitmap, tFetched;
+    try {
+      const blob = await (await request("GET", `/api/images/${enc(id)}/display.png`)).blob();
+      tFetched = performance.now();
+      if (seq === S.loadSeq) open();   // not for an image the user has already left
+      bitmap = await createImageBitmap(blob);
+    } catch (err) {
+      if (seq === S.loadSeq) {
+        if (tFetched === undefined) open();
+        showError(err, `${im.name}: `);
+      }
+      return;
+    }
+    if (seq !== S.loadSeq) { bitmap.close(); return; }
+    imageCtx.clearRect(0, 0, imageLayer.width, imageLayer.height);
+    imageCtx.drawImage(bitmap, 0, 0, im.width, im.height);
+    bitmap.close();
+    await nextFrame();
+    if (seq === S.loadSeq) {
+      timing("image_shown", performance.now() - t0,
+        { image: id, width: im.width, height: im.height, fetch_ms: Math.round(tFetched - t0) });
+    }
+  }
+
+  // The label layer is redrawn from the server's labels.png (the server is the truth).
+  async function loadLabels(id) {
+    const seq = S.loadSeq;
+    const im = imageById(id);
+    const version = im ? im.version : null;
+    let bitmap;
+    try {
+      bitmap = await fetchBitmap(`/api/images/${enc(id)}/labels.png`, true);
+    } catch (err) {
+      if (seq === S.loadSeq) showError(err, "labels: ");
+      return;
+    }
+    if (seq !== S.loadSeq || id !== S.current) { bitmap.close(); return; }
+    const w = bitmap.width, h = bitmap.height;
+    const scratch = new OffscreenCanvas(w, h);
+    const sctx = scratch.getContext("2d", { willReadFrequently: true });
+    sctx.drawImage(bitmap, 0, 0);
+    bitmap.close();
+    const rgba = sctx.getImageData(0, 0, w, h).data;
+    const values = new Uint8Array(w * h);
+    for (let i = 0, j = 0; i < values.length; i++, j += 4) values[i] = rgba[j];   // grey PNG: R = G = B = value
+    if (S.drawing || S.pendingStrokes) return;   // a newer stroke is on its way: its answer reloads
+    S.labels = values;
+    S.labelsVersion = version;
+    paintLabels();
+  }
+
+  function colourTable() {
+    // value → packed RGBA (little-endian: 0xAABBGGRR); 0 and unknown values transparent.
+    const lut = new Uint32Array(256);
+    for (const c of (S.state ? S.state.classes : [])) {
+      if (c.value < 1 || c.value > 255) continue;
+      const [r, g, b] = hexToRgb(c.color);
+      lut[c.value] = ((255 << 24) | (b << 16) | (g << 8) | r) >>> 0;
+    }
+    return lut;
+  }
+
+  function paintLabels() {
+    if (!S.labels || S.labels.length !== S.imgW * S.imgH) return;
+    const lut = colourTable();
+    const out = new ImageData(S.imgW, S.imgH);
+    const px = new Uint32Array(out.data.buffer);
+    const v = S.labels;
+    for (let i = 0; i < v.length; i++) if (v[i]) px[i] = lut[v[i]];
+    labelCtx.putImageData(out, 0, 0);
+  }
+
+  // ---------------------------------------------------------------- prediction overlay
+  const UNCERTAINTY_STOPS = [[0, "#000004"], [0.25, "#420a68"], [0.5, "#932667"], [0.75, "#dd513a"], [1, "#fcffa4"]];
+  const uncertaintyLut = (() => {
+    const lut = new Uint32Array(256);
+    for (let v = 0; v < 256; v++) {
+      const t = v / 255;
+      let k = 0;
+      while (k < UNCERTAINTY_STOPS.length - 2 && t > UNCERTAINTY_STOPS[k + 1][0]) k++;
+      const [t0, c0] = UNCERTAINTY_STOPS[k], [t1, c1] = UNCERTAINTY_STOPS[k + 1];
+      const f = (t - t0) / (t1 - t0);
+      const a = hexToRgb(c0), b = hexToRgb(c1);
+      const rgb = a.map((x, i) => Math.round(x + f * (b[i] - x)));
+      lut[v] = ((255 << 24) | (rgb[2] << 16) | (rgb[1] << 8) | rgb[0]) >>> 0;
+    }
+    return lut;
+  })();
+
+  async function showPrediction(id) {
+    const seq = S.loadSeq;
+    const kind = S.showUncertainty ? "uncertainty" : "prediction";
+    const [bitmap] = await Promise.all([
+      fetchBitmap(`/api/images/${enc(id)}/${kind}.png`, kind === "uncertainty"),
+      loadFractions(id).catch((err) => showError(err, "area fractions: ")),
+    ]);
+    if (seq !== S.loadSeq || id !== S.current) { bitmap.close(); return false; }
+    overlayCtx.clearRect(0, 0, overlayLayer.width, overlayLayer.height);
+    if (kind === "uncertainty") {
+      const w = bitmap.width, h = bitmap.height;
+      const scratch = new OffscreenCanvas(w, h);
+      const sctx = scratch.getContext("2d", { willReadFrequently: true });
+      sctx.drawImage(bitmap, 0, 0);
+      const grey = sctx.getImageData(0, 0, w, h).data;
+      const out = new ImageData(w, h);
+      const px = new Uint32Array(out.data.buffer);
+      for (let i = 0, j = 0; i < px.length; i++, j += 4) px[i] = uncertaintyLut[grey[j]];
+      overlayCtx.putImageData(out, 0, 0);
+    } else {
+      overlayCtx.drawImage(bitmap, 0, 0, S.imgW, S.imgH);
+    }
+    bitmap.close();
+    S.overlayShown = true;
+    overlayLayer.dataset.kind = kind;
+    overlayLayer.hidden = !S.showOverlay;
+    await nextFrame();
+    return true;
+  }
+
+  function clearFractions() {
+    const body = $("fractions").tBodies[0];
+    body.innerHTML = '<tr class="empty"><td colspan="3" class="muted">train to see them</td></tr>';
+  }
+
+  async function loadFractions(id) {
+    const data = await api("GET", `/api/images/${enc(id)}/fractions`);
+    if (id !== S.current) return;
+    const body = $("fractions").tBodies[0];
+    body.innerHTML = "";
+    for (const c of data.classes || []) {
+      const cls = classByValue(c.value);
+      const colour = cls ? cls.color : "#888888";
+      const pct = (100 * (c.fraction || 0)).toFixed(1);
+      const tr = document.createElement("tr");
+      tr.dataset.value = String(c.value);
+      tr.innerHTML = '<td><span class="swatch"></span></td><td class="cname"></td><td class="num"></td>';
+      tr.querySelector(".swatch").style.background = colour;
+      tr.querySelector(".cname").textContent = c.name || (cls ? cls.name : `class ${c.value}`);
+      tr.querySelector(".num").textContent = `${pct} %`;
+      tr.title = `${c.pixels ?? "?"} px`;
+      body.appendChild(tr);
+    }
+    if (!body.children.length) clearFractions();
+  }
+
+  // ---------------------------------------------------------------- view: zoom and pan
+  let viewFrame = 0;
+  function applyView() {
+    if (viewFrame) return;
+    viewFrame = requestAnimationFrame(() => {
+      viewFrame = 0;
+      const { scale, tx, ty } = S.view;
+      stage.style.transform = `translate(${tx}px, ${ty}px) scale(${scale})`;
+      stage.classList.toggle("pixelated", scale >= 1);
+      $("zoom-value").textContent = `${scale >= 10 ? Math.round(scale * 100) : (scale * 100).toFixed(scale < 0.1 ? 1 : 0)} %`;
+      updateBrushCursor();
+    });
+  }
+
+  function fitScale() {
+    const w = area.clientWidth, h = area.clientHeight;
+    if (!S.imgW || !S.imgH || !w || !h) return 1;
+    return Math.min(w / S.imgW, h / S.imgH) * 0.96;
+  }
+
+  function fitView() {
+    const s = fitScale();
+    S.view.scale = s;
+    S.view.tx = (area.clientWidth - S.imgW * s) / 2;
+    S.view.ty = (area.clientHeight - S.imgH * s) / 2;
+    S.fitted = true;
+    applyView();
+  }
+
+  function zoomAt(mx, my, factor) {
+    if (!S.imgW) return;
+    const minScale = Math.min(fitScale() / 4, 0.5);
+    const s0 = S.view.scale;
+    const s1 = clamp(s0 * factor, minScale, MAX_SCALE);
+    const k = s1 / s0;
+    S.view.tx = mx - (mx - S.view.tx) * k;
+    S.view.ty = my - (my - S.view.ty) * k;
+    S.view.scale = s1;
+    S.fitted = false;
+    applyView();
+  }
+
+  function zoomCentre(factor) {
+    zoomAt(area.clientWidth / 2, area.clientHeight / 2, factor);
+  }
+
+  // Area px (relative to the canvas area) → image px (x = column, y = row; pixel centres at integers).
+  function toImage(clientX, clientY) {
+    const r = area.getBoundingClientRect();
+    const { scale, tx, ty } = S.view;
+    return { x: (clientX - r.left - tx) / scale - 0.5, y: (clientY - r.top - ty) / scale - 0.5 };
+  }
+
+  function brushRadius() {
+    return Number($("brush-size").value);
+  }
+
+  function updateBrushCursor() {
+    const p = S.pointer;
+    if (!p || !S.current || S.pan || S.spaceDown) { brushCursor.hidden = true; return; }
+    const r = brushRadius();
+    const { scale, tx, ty } = S.view;
+    const q = toImage(p.clientX, p.clientY);
+    // Snap to the pixel grid when zoomed in, so the circle shows which pixels the disc covers.
+    const cx = scale >= 4 ? Math.round(q.x) : q.x, cy = scale >= 4 ? Math.round(q.y) : q.y;
+    const d = (2 * r + 1) * scale;
+    brushCursor.style.width = brushCursor.style.height = `${d}px`;
+    brushCursor.style.left = `${tx + (cx + 0.5) * scale - d / 2}px`;
+    brushCursor.style.top = `${ty + (cy + 0.5) * scale - d / 2}px`;
+    brushCursor.classList.toggle("erase", S.erase);
+    brushCursor.hidden = false;
+  }
+
+  function updateCursorInfo(clientX, clientY) {
+    if (!S.current) { $("cursor-info").textContent = ""; return; }
+    const q = toImage(clientX, clientY);
+    const x = Math.round(q.x), y = Math.round(q.y);
+    if (x < 0 || y < 0 || x >= S.imgW || y >= S.imgH) { $("cursor-info").textContent = ""; return; }
+    let text = `x ${x}  y ${y}`;
+    if (S.labels) {
+      const v = S.labels[y * S.imgW + x];
+      const c = v ? classByValue(v) : null;
+      if (v) text += `  label ${c ? c.name : v}`;
+    }
+    $("cursor-info").textContent = text;
+  }
+
+  // ---------------------------------------------------------------- drawing
+  function strokeColour() {
+    const c = classByValue(S.classValue);
+    return c ? c.color : "#ffffff";
+  }
+
+  function paintSegment(a, b, stroke) {
+    const ctx = labelCtx;
+    ctx.save();
+    ctx.globalCompositeOperation = stroke.erase ? "destination-out" : "source-over";
+    ctx.strokeStyle = ctx.fillStyle = stroke.erase ? "#000" : stroke.colour;
+    ctx.lineCap = "round";
+    ctx.lineJoin = "round";
+    ctx.lineWidth = 2 * stroke.radius + 1;
+    ctx.beginPath();
+    if (a === b) {
+      ctx.arc(a.x + 0.5, a.y + 0.5, stroke.radius + 0.5, 0, 2 * Math.PI);
+      ctx.fill();
+    } else {
+      ctx.moveTo(a.x + 0.5, a.y + 0.5);
+      ctx.lineTo(b.x + 0.5, b.y + 0.5);
+      ctx.stroke();
+    }
+    ctx.restore();
+  }
+
+  function startStroke(e) {
+    if (!S.current) return false;
+    const classes = S.state ? S.state.classes : [];
+    if (!classes.length) { status("add a class first (Classes panel on the left)", "error"); return false; }
+    if (!S.erase && !classByValue(S.classValue)) { status("pick a class first", "error"); return false; }
+    const radius = brushRadius();
+    const p = toImage(e.clientX, e.clientY);
+    if (p.x < -radius || p.y < -radius || p.x > S.imgW - 1 + radius || p.y > S.imgH - 1 + radius) return false;
+    S.drawing = {
+      pointerId: e.pointerId,
+      image: S.current,
+      cls: S.erase ? (classByValue(S.classValue) || classes[0]).value : S.classValue,
+      erase: S.erase,
+      radius,
+      colour: strokeColour(),
+      points: [p],
+    };
+    paintSegment(p, p, S.drawing);
+    return true;
+  }
+
+  function extendStroke(st, events) {
+    const minStep = Math.max(0.5, st.radius / 4);
+    for (const ev of events) {
+      const p = toImage(ev.clientX, ev.clientY);
+      const last = st.points[st.points.length - 1];
+      if (Math.hypot(p.x - last.x, p.y - last.y) < minStep) continue;
+      paintSegment(last, p, st);
+      st.points.push(p);
+    }
+  }
+
+  function finishStroke(e) {
+    const st = S.drawing;
+    S.drawing = null;
+    if (!st) return;
+    if (e) extendStroke(st, [e]);
+    const tUp = performance.now();
+    const id = st.image;
+    const round2 = (v) => Math.round(v * 100) / 100;
+    const body = {
+      class: st.cls,
+      radius: st.radius,
+      points: st.points.map((p) => [round2(p.x), round2(p.y)]),
+      erase: st.erase,
+    };
+    S.pendingStrokes++;
+    S.strokeQueue = S.strokeQueue.then(async () => {
+      let ok = false;
+      try {
+        const r = await api("POST", `/api/images/${enc(id)}/strokes`, body);
+        const im = imageById(id);
+        if (im) { im.version = r.version; im.labelled = r.labelled; }
+        ok = true;
+      } catch (err) {
+        showError(err, "stroke not saved: ");
+      } finally {
+        S.pendingStrokes--;
+      }
+      if (id === S.current) {
+        renderImages();
+        renderClasses();
+        if (ok && S.live) {
+          if (S.liveStrokeT0 === null) S.liveStrokeT0 = tUp;
+          liveTrain();
+        }
+      }
+      if (S.pendingStrokes === 0 && !S.drawing && S.current) await loadLabels(S.current);
+    });
+  }
+
+  // ---------------------------------------------------------------- undo / redo
+  async function undoRedo(which) {
+    const id = S.current;
+    if (!id) return;
+    try {
+      await S.strokeQueue;   // the server must have every stroke first
+      const r = await api("POST", `/api/images/${enc(id)}/${which}`);
+      const im = imageById(id);
+      if (im) { im.version = r.version; im.labelled = r.labelled; }
+      status(which === "undo" ? "undone" : "redone", "ok");
+    } catch (err) {
+      if (err.status === 409) status(err.message || `nothing to ${which}`);
+      else showError(err);
+      return;
+    }
+    if (id !== S.current) return;
+    renderImages();
+    renderClasses();
+    await loadLabels(id);
+    if (S.live) {
+      if (S.liveStrokeT0 === null) S.liveStrokeT0 = performance.now();
+      liveTrain();
+    }
+  }
+
+  // ---------------------------------------------------------------- train
+  function labelledClassCount() {
+    const seen = new Set();
+    for (const im of S.state ? S.state.images : []) {
+      for (const [v, n] of Object.entries(im.labelled || {})) if (n > 0) seen.add(v);
+    }
+    return seen.size;
+  }
+
+  function liveTrain() {
+    if (labelledClassCount() < 2) {
+      status("live: label at least two classes to train");
+      S.liveStrokeT0 = null;
+      return;
+    }
+    train({ live: true });
+  }
+
+  function setTrainBusy(busy) {
+    const b = $("train");
+    b.classList.toggle("busy", busy);
+    b.setAttribute("aria-busy", busy ? "true" : "false");
+    b.disabled = busy;
+  }
+
+  async function train({ live = false } = {}) {
+    const id = S.current;
+    if (!id) { status("select an image first", "error"); return; }
+    if (S.training) {
+      if (live) S.trainAgain = true;   // run once more when this one ends
+      return;
+    }
+    S.training = true;
+    setTrainBusy(true);
+    status(live ? "live: training…" : "training…", "busy");
+    const strokeT0 = live ? S.liveStrokeT0 : null;
+    if (live) S.liveStrokeT0 = null;
+    const t0 = performance.now();
+    try {
+      if (!live) await S.strokeQueue;   // live training starts from a stroke the server has already
+      const r = await api("POST", "/api/train", { image: id });
+      const tServer = performance.now() - t0;
+      if (S.state) {
+        S.state.model = r.model;
+        const im = imageById(id);
+        if (im) im.prediction = { model: r.model.id };
+        renderModel();
+      }
+      if (id === S.current) {
+        const shown = await showPrediction(id);
+        const t1 = performance.now();
+        if (shown) {
+          timing("train", t1 - t0, { image: id, server_ms: Math.round(tServer), live, model: r.model.id });
+          if (strokeT0 !== null) timing("stroke_to_overlay", t1 - strokeT0, { image: id, model: r.model.id });
+        }
+        status(`model #${r.model.id} trained in ${Number(r.model.seconds).toFixed(1)} s; shown in ${((t1 - t0) / 1000).toFixed(1)} s`, "ok");
+      }
+    } catch (err) {
+      showError(err, live ? "live training: " : "");
+    } finally {
+      S.training = false;
+      setTrainBusy(false);
+    }
+    refreshState();
+    if (S.trainAgain) {
+      S.trainAgain = false;
+      if (S.live && S.current) liveTrain();
+    }
+  }
+
+  // ---------------------------------------------------------------- classes
+  function selectClass(value) {
+    if (!classByValue(value)) { status(`no class ${value} yet`, "error"); return; }
+    S.classValue = value;
+    if (S.erase) setEraser(false);
+    renderClasses();
+  }
+
+  async function addClass(name) {
+    name = name.trim();
+    if (!name) { status("type a class name first", "error"); return; }
+    try {
+      const c = await api("POST", "/api/classes", { name });
+      S.classValue = c.value;
+      $("class-name").value = "";
+      if (S.erase) setEraser(false);
+      await refreshState();
+      status(`added class ${c.value}: ${c.name}`, "ok");
+    } catch (err) {
+      showError(err);
+    }
+  }
+
+  async function patchClass(value, patch) {
+    try {
+      const c = await api("PATCH", `/api/classes/${value}`, patch);
+      const old = classByValue(value);
+      if (old) Object.assign(old, c);
+    } catch (err) {
+      showError(err);
+    }
+    await refreshState();
+    paintLabels();
+    if (S.overlayShown && S.current) {   // the overlay (class colours) and the fractions' names and swatches
+      const again = patch.color && !S.showUncertainty ? showPrediction(S.current) : loadFractions(S.current);
+      again.catch((err) => showError(err));
+    }
+  }
+
+  function previewColour(value, colour) {
+    const c = classByValue(value);
+    if (!c) return;
+    c.color = colour;
+    paintLabels();
+  }
+
+  function startRename(value) {
+    const li = document.querySelector(`.class-row[data-value="${value}"]`);
+    const c = classByValue(value);
+    if (!li || !c || li.querySelector("input.rename")) return;
+    const span = li.querySelector(".name");
+    const input = document.createElement("input");
+    input.type = "text";
+    input.className = "rename";
+    input.value = c.name;
+    input.dataset.testid = "rename";
+    span.replaceWith(input);
+    input.focus();
+    input.select();
+    let done = false;
+    const finish = async (commit) => {
+      if (done) return;
+      done = true;
+      const name = input.value.trim();
+      input.replaceWith(span);
+      if (commit && name && name !== c.name) {
+        span.textContent = name;
+        await patchClass(value, { name });
+      }
+    };
+    input.addEventListener("keydown", (e) => {
+      if (e.key === "Enter") { e.preventDefault(); finish(true); }
+      if (e.key === "Escape") { e.preventDefault(); finish(false); }
+      e.stopPropagation();
+    });
+    input.addEventListener("blur", () => finish(true));
+  }
+
+  // ---------------------------------------------------------------- tools
+  function setEraser(on) {
+    S.erase = on;
+    $("eraser").setAttribute("aria-pressed", on ? "true" : "false");
+    if (S.state) renderClasses();
+    updateBrushCursor();
+  }
+
+  function setBrushSize(r) {
+    r = clamp(Math.round(r), 1, 64);
+    $("brush-size").value = String(r);
+    $("brush-size-value").textContent = String(r);
+    updateBrushCursor();
+  }
+
+  function setOverlayVisible(on) {
+    S.showOverlay = on;
+    $("show-overlay").checked = on;
+    overlayLayer.hidden = !(on && S.overlayShown);
+  }
+
+  async function setUncertainty(on) {
+    S.showUncertainty = on;
+    $("show-uncertainty").checked = on;
+    if (S.current && S.overlayShown) {
+      try {
+        await showPrediction(S.current);
+      } catch (err) {
+        showError(err);
+      }
+    }
+  }
+
+  function setLabelsVisible(on) {
+    S.showLabels = on;
+    $("show-labels").checked = on;
+    labelLayer.style.visibility = on ? "visible" : "hidden";
+  }
+
+  async function putSettings(patch) {
+    S.settingsGen++;
+    S.settingsInFlight++;
+    try {
+      const s = await api("PUT", "/api/settings", patch);
+      if (S.state && s) S.state.settings = { ...S.state.settings, ...s };
+    } catch (err) {
+      showError(err);
+    } finally {
+      S.settingsInFlight--;
+    }
+    await refreshState();
+  }
+
+  // ---------------------------------------------------------------- upload
+  async function uploadFiles(files) {
+    const limitMb = S.state && S.state.limits ? S.state.limits.max_upload_mb : null;
+    let added = [], failed = 0;
+    for (const f of files) {
+      if (limitMb && f.size > limitMb * 1024 * 1024) {
+        status(`${f.name}: ${(f.size / 1048576).toFixed(0)} MB is over the server's upload limit of ${limitMb} MB`, "error");
+        failed++;
+        continue;
+      }
+      status(`uploading ${f.name}…`, "busy");
+      try {
+        const res = await request("POST", `/api/images?name=${enc(f.name)}`, { raw: f });
+        const r = await res.json();
+        added = added.concat(r.ids || []);
+      } catch (err) {
+        showError(err, `${f.name}: `);
+        failed++;
+      }
+    }
+    await refreshState();
+    if (added.length) {
+      if (!failed) status(`added ${added.length} image(s)`, "ok");
+      selectImage(added[0]);
+    }
+  }
+
+  // ---------------------------------------------------------------- save
+  async function save() {
+    const what = [...document.querySelectorAll("#save-panel input[name=what]:checked")].map((i) => i.value);
+    const scope = document.querySelector("#save-panel input[name=scope]:checked").value;
+    if (!what.length) { status("tick what to save first", "error"); return; }
+    if (scope === "image" && !S.current) { status("select an image first, or save all images", "error"); return; }
+    const body = { what, scope };
+    if (S.current) body.image = S.current;
+    const panel = $("save-panel");
+    let job;
+    try {
+      await S.strokeQueue;
+      job = (await api("POST", "/api/save", body)).job;
+    } catch (err) {
+      showError(err, "save: ");
+      return;
+    }
+    S.saveJob = job;
+    panel.dataset.state = "running";
+    $("save").disabled = true;
+    $("save-cancel").hidden = false;
+    $("save-progress").hidden = false;
+    $("save-progress").value = 0;
+    $("save-result").hidden = true;
+    $("save-folder").textContent = "";
+    status("saving…", "busy");
+    let j = null;
+    for (;;) {
+      try {
+        j = await api("GET", `/api/jobs/${enc(job)}`);
+      } catch (err) {
+        showError(err, "save: ");
+        j = { state: "error", message: err.message };
+        break;
+      }
+      $("save-progress").value = j.progress || 0;
+      $("save-message").textContent = `${j.done ?? 0} / ${j.total ?? "?"}${j.message ? `: ${j.message}` : ""}`;
+      if (j.state !== "running") break;
+      await sleep(250);
+    }
+    S.saveJob = null;
+    panel.dataset.state = j.state;
+    $("save").disabled = false;
+    $("save-cancel").hidden = true;
+    $("save-progress").hidden = j.state !== "done";
+    if (j.state === "done") {
+      $("save-folder").textContent = j.folder || "";
+      $("save-result").hidden = false;
+      status(`saved to ${j.folder}`, "ok");
+    } else if (j.state === "cancelled") {
+      status("save cancelled");
+    } else if (j.state === "error") {
+      status(`save failed: ${j.message || "unknown error"}`, "error");
+    }
+  }
+
+  async function cancelSave() {
+    if (!S.saveJob) return;
+    try {
+      await api("DELETE", `/api/jobs/${enc(S.saveJob)}`);
+    } catch (err) {
+      showError(err);
+    }
+  }
+
+  // ---------------------------------------------------------------- events
+  function bindEvents() {
+    // pointer: left button draws, middle/right button or space+left pans
+    area.addEventListener("pointerdown", (e) => {
+      area.focus({ preventScroll: true });
+      S.pointer = { clientX: e.clientX, clientY: e.clientY };
+      if (S.drawing || S.pan) return;
+      if (e.button === 1 || e.button === 2 || (e.button === 0 && S.spaceDown)) {
+        e.preventDefault();
+        S.pan = { pointerId: e.pointerId, x: e.clientX, y: e.clientY, tx: S.view.tx, ty: S.view.ty };
+        area.classList.add("panning");
+        area.setPointerCapture(e.pointerId);
+        updateBrushCursor();
+        return;
+      }
+      if (e.button !== 0) return;
+      if (startStroke(e)) {
+        e.preventDefault();
+        area.setPointerCapture(e.pointerId);
+      }
+    });
+    area.addEventListener("pointermove", (e) => {
+      S.pointer = { clientX: e.clientX, clientY: e.clientY };
+      if (S.pan && e.pointerId === S.pan.pointerId) {
+        S.view.tx = S.pan.tx + (e.clientX - S.pan.x);
+        S.view.ty = S.pan.ty + (e.clientY - S.pan.y);
+        S.fitted = false;
+        applyView();
+        return;
+      }
+      if (S.drawing && e.pointerId === S.drawing.pointerId) {
+        extendStroke(S.drawing, e.getCoalescedEvents ? e.getCoalescedEvents() : [e]);
+      }
+      updateBrushCursor();
+      updateCursorInfo(e.clientX, e.clientY);
+    });
+    const end = (e) => {
+      if (S.pan && e.pointerId === S.pan.pointerId) {
+        S.pan = null;
+        area.classList.remove("panning");
+        updateBrushCursor();
+      }
+      if (S.drawing && e.pointerId === S.drawing.pointerId) finishStroke(e.type === "pointerup" ? e : null);
+      if (area.hasPointerCapture(e.pointerId)) area.releasePointerCapture(e.pointerId);
+    };
+    area.addEventListener("pointerup", end);
+    area.addEventListener("pointercancel", end);
+    area.addEventListener("pointerleave", () => { if (!S.drawing && !S.pan) { S.pointer = null; brushCursor.hidden = true; } });
+    area.addEventListener("contextmenu", (e) => e.preventDefault());
+    area.addEventListener("auxclick", (e) => e.preventDefault());
+    area.addEventListener("wheel", (e) => {
+      e.preventDefault();
+      const r = area.getBoundingClientRect();
+      let dy = e.deltaY;
+      if (e.deltaMode === 1) dy *= 16;
+      else if (e.deltaMode === 2) dy *= 400;
+      zoomAt(e.clientX - r.left, e.clientY - r.top, Math.exp(-clamp(dy, -300, 300) * 0.002));
+    }, { passive: false });
+    new ResizeObserver(() => { if (S.fitted && S.current) fitView(); else updateBrushCursor(); }).observe(area);
+
+    // keyboard
+    const typing = (t) => t && (t.isContentEditable || t.tagName === "TEXTAREA" || t.tagName === "SELECT" ||
+      (t.tagName === "INPUT" && !["checkbox", "radio", "range", "color", "button", "file"].includes(t.type)));
+    document.addEventListener("keydown", (e) => {
+      if (typing(e.target)) return;
+      const k = e.key;
+      if ((e.ctrlKey || e.metaKey) && !e.altKey) {
+        if (k === "z" || k === "Z") { e.preventDefault(); undoRedo(e.shiftKey ? "redo" : "undo"); }
+        else if (k === "y" || k === "Y") { e.preventDefault(); undoRedo("redo"); }
+        return;
+      }
+      if (e.altKey) return;
+      if (k >= "1" && k <= "9") { selectClass(Number(k)); return; }
+      switch (k) {
+        case " ":
+          e.preventDefault();
+          if (!S.spaceDown) { S.spaceDown = true; area.classList.add("space"); updateBrushCursor(); }
+          break;
+        case "0": fitView(); break;
+        case "[": setBrushSize(brushRadius() - Math.max(1, Math.round(brushRadius() * 0.15))); break;
+        case "]": setBrushSize(brushRadius() + Math.max(1, Math.round(brushRadius() * 0.15))); break;
+        case "e": case "E": setEraser(!S.erase); break;
+        case "t": case "T": train(); break;
+        case "o": case "O": setOverlayVisible(!S.showOverlay); break;
+        case "u": case "U": setUncertainty(!S.showUncertainty); break;
+        case "l": case "L": setLabelsVisible(!S.showLabels); break;
+        case "+": case "=": zoomCentre(1.25); break;
+        case "-": case "_": zoomCentre(0.8); break;
+        default: return;
+      }
+    });
+    document.addEventListener("keyup", (e) => {
+      if (e.key === " ") { S.spaceDown = false; area.classList.remove("space"); updateBrushCursor(); }
+    });
+    window.addEventListener("blur", () => { S.spaceDown = false; area.classList.remove("space"); });
+
+    // controls
+    $("upload").addEventListener("change", () => {
+      const files = [...$("upload").files];
+      $("upload").value = "";
+      if (files.length) uploadFiles(files);
+    });
+    $("add-class-form").addEventListener("submit", (e) => { e.preventDefault(); addClass($("class-name").value); });
+    $("brush-size").addEventListener("input", () => setBrushSize(brushRadius()));
+    $("eraser").addEventListener("click", () => setEraser(!S.erase));
+    $("undo").addEventListener("click", () => undoRedo("undo"));
+    $("redo").addEventListener("click", () => undoRedo("redo"));
+    $("label-opacity").addEventListener("input", () => { labelLayer.style.opacity = $("label-opacity").value / 100; });
+    $("show-labels").addEventListener("change", () => setLabelsVisible($("show-labels").checked));
+    $("fit").addEventListener("click", () => fitView());
+    $("zoom-in").addEventListener("click", () => zoomCentre(1.25));
+    $("zoom-out").addEventListener("click", () => zoomCentre(0.8));
+    $("train").addEventListener("click", () => train());
+    $("live").addEventListener("change", () => {
+      S.live = $("live").checked;
+      putSettings({ live: S.live });
+    });
+    $("show-overlay").addEventListener("change", () => setOverlayVisible($("show-overlay").checked));
+    $("show-uncertainty").addEventListener("change", () => setUncertainty($("show-uncertainty").checked));
+    $("overlay-opacity").addEventListener("input", () => {
+      overlayLayer.style.opacity = $("overlay-opacity").value / 100;
+      $("overlay-opacity-value").textContent = $("overlay-opacity").value;
+    });
+    $("backbone").addEventListener("change", async () => {
+      const v = $("backbone").value;
+      await putSettings({ backbone: v === "" ? null : v });
+      // The model is dropped and features are recomputed: clear the overlay and reopen the image.
+      S.overlayShown = false;
+      overlayLayer.hidden = true;
+      clearFractions();
+      if (S.current) {
+        S.openedAt.set(S.current, performance.now());
+        S.clickedAt.set(S.current, performance.now());
+        S.featuresReported.delete(S.current);
+        api("POST", `/api/images/${enc(S.current)}/open`).then(() => refreshState()).catch((err) => showError(err));
+      }
+    });
+    $("crf").addEventListener("change", () => putSettings({ crf: $("crf").checked }));
+    $("save").addEventListener("click", () => save());
+    $("save-cancel").addEventListener("click", () => cancelSave());
+    // Buttons give the focus back to the canvas so keys like space keep panning, not clicking.
+    document.querySelectorAll("button").forEach((b) => b.addEventListener("mouseup", () => b.blur()));
+  }
+
+  // ---------------------------------------------------------------- start
+  async function init() {
+    bindEvents();
+    stage.classList.add("empty");
+    setBrushSize(brushRadius());
+    overlayLayer.style.opacity = $("overlay-opacity").value / 100;
+    labelLayer.style.opacity = $("label-opacity").value / 100;
+    const state = await refreshState();
+    if (!state) return;
+    const m = /(?:^#|&)image=([^&]*)/.exec(location.hash);
+    const wanted = m ? decodeURIComponent(m[1]) : null;
+    if (wanted && imageById(wanted)) selectImage(wanted);
+  }
+
+  init();
+})();

@@ -1,0 +1,340 @@
+"""Speed of `alibi-vit app` as a person sees it: the page in Chromium, the server as a subprocess.
+
+The same flow as tests/test_app_browser.py, with times the page itself records in
+``window.appTimings`` (``performance.now()``):
+
+* features ready: from opening a 1024² synthetic micrograph (click) to the page seeing its
+  classical features ready (the page polls /api/state every 250 ms meanwhile). Target ≤ 3 s.
+* stroke to overlay, live mode: from the pointer-up of a stroke to the new prediction decoded and
+  drawn, with the features cached (live training after each stroke). Median of several strokes.
+  Target ≤ 2 s.
+* image shown: from the click on a 4096² image to its pixels decoded and drawn. Target ≤ 2 s.
+* zoom frames: frame interval while wheel-zooming the 4096² image (median), for smoothness.
+
+Results go to ``benchmarks/results/app_speed_cpu.{json,md}``.
+
+    python benchmarks/bench_app.py             # 1024² and 4096² images, 5 live strokes
+    python benchmarks/bench_app.py --smoke     # 256² and 1024²: checks the script (results/smoke/)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import command_line, environment, write_report  # noqa: E402
+
+CHROMIUM = "/usr/bin/chromium"
+TARGETS = {"features_ready_s": 3.0, "stroke_to_overlay_s": 2.0, "image_shown_4096_s": 2.0}
+CLASSES = ("matrix", "speckle", "stripes")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", type=int, default=1024, help="side of the image that is labelled and trained (px)")
+    p.add_argument("--big", type=int, default=4096, help="side of the large image that is only shown (px; 0: skip)")
+    p.add_argument("--strokes", type=int, default=5, help="live strokes timed after the first training")
+    p.add_argument("--out-dir", type=Path, default=None,
+                   help="where the .md and .json go (default: benchmarks/results/, smoke runs: benchmarks/results/smoke/)")
+    p.add_argument("--smoke", action="store_true", help="256² and 1024² images, 2 strokes: checks the script")
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.smoke:
+        args.size, args.big, args.strokes = 256, min(args.big, 1024), min(args.strokes, 2)
+    return args
+
+
+def cpu_name() -> str:
+    name = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return name or platform.machine()
+
+
+def alibi_vit() -> list[str]:
+    exe = Path(sys.executable).with_name("alibi-vit")
+    return [str(exe)] if exe.exists() else [shutil.which("alibi-vit") or "alibi-vit"]
+
+
+def start_server(data: Path, session: Path, log: Path, timeout: float = 120):
+    proc = subprocess.Popen([*alibi_vit(), "app", str(data), "--session", str(session), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, bufsize=1)
+    found = []
+
+    def read():
+        for line in proc.stdout:
+            if line.startswith("alibi-vit app: serving at "):
+                found.append(line.split("serving at ", 1)[1].strip())
+                break
+        proc.stdout.read()   # keep draining
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not found and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    if not found:
+        proc.kill()
+        raise RuntimeError(f"alibi-vit app did not start:\n{log.read_text()[-3000:]}")
+    return proc, found[0]
+
+
+def stop_server(proc) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def get_json(url: str):
+    with urllib.request.urlopen(url, timeout=60) as res:
+        return json.loads(res.read())
+
+
+def timings(page, event: str, image: str | None = None) -> list[dict]:
+    return page.evaluate("([e, id]) => window.appTimings.filter(t => t.event === e && (id === null || t.image === id))",
+                         [event, image])
+
+
+def wait_timing(page, event: str, image: str | None, count: int, timeout_ms: float = 300_000) -> dict:
+    page.wait_for_function(
+        "([e, id, n]) => window.appTimings.filter(t => t.event === e && (id === null || t.image === id)).length >= n",
+        arg=[event, image, count], timeout=timeout_ms)
+    return timings(page, event, image)[count - 1]
+
+
+def to_screen(page, x: float, y: float):
+    box = page.locator("#image-layer").bounding_box()
+    w, h = page.evaluate("() => [document.getElementById('image-layer').width, document.getElementById('image-layer').height]")
+    return box["x"] + (x + 0.5) * box["width"] / w, box["y"] + (y + 0.5) * box["height"] / h
+
+
+def stroke_plan(mask, strokes_per_phase: int, radius: int):
+    """For each phase, strokes (lists of image points) well inside its grains."""
+    import numpy as np
+    from scipy import ndimage
+
+    plan = {}
+    rows, cols = np.mgrid[:mask.shape[0], :mask.shape[1]]
+    for phase in (1, 2, 3):
+        inside = mask == phase
+        inside[:8], inside[-8:], inside[:, :8], inside[:, -8:] = False, False, False, False
+        dist = ndimage.distance_transform_edt(inside)
+        plan[phase] = []
+        for _ in range(strokes_per_phase):
+            y, x = np.unravel_index(np.argmax(dist), dist.shape)
+            d = dist[y, x]
+            half = int(max(2, min(d - radius - 2, 40)))
+            plan[phase].append([(x - half, y), (x, y), (x + half, y)])
+            dist[(rows - y) ** 2 + (cols - x) ** 2 < (3 * d) ** 2] = 0
+    return plan
+
+
+def draw(page, points) -> None:
+    page.mouse.move(*to_screen(page, *points[0]))
+    page.mouse.down()
+    for p in points[1:]:
+        page.mouse.move(*to_screen(page, *p), steps=8)
+    page.mouse.up()
+
+
+def wait_idle(page, timeout_ms: float = 300_000) -> None:
+    """No stroke in flight and no training running (nor queued)."""
+    page.wait_for_function("() => window.app.pendingStrokes === 0 && !window.app.training", timeout=timeout_ms)
+    time.sleep(0.3)
+    page.wait_for_function("() => window.app.pendingStrokes === 0 && !window.app.training", timeout=timeout_ms)
+
+
+def zoom_frames(page, steps: int = 40) -> float:
+    """Median frame interval (ms) while wheel-zooming in and out over the image centre."""
+    box = page.locator("#canvas-area").bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.evaluate("""() => { window.__frames = []; let last = performance.now(); window.__stop = false;
+        const tick = (t) => { window.__frames.push(t - last); last = t; if (!window.__stop) requestAnimationFrame(tick); };
+        requestAnimationFrame(tick); }""")
+    for i in range(steps):
+        page.mouse.wheel(0, -120 if i < steps // 2 else 120)
+    page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+    frames = page.evaluate("() => { window.__stop = true; return window.__frames.slice(1); }")
+    return statistics.median(frames) if frames else float("nan")
+
+
+def run(args) -> dict:
+    import numpy as np
+    import tifffile
+    from playwright.sync_api import sync_playwright
+
+    from alibi_vit.synthetic import synthetic_micrograph
+
+    work = Path(tempfile.mkdtemp(prefix="alibi-vit-bench-app-"))
+    proc = None
+    try:
+        data = work / "images"
+        data.mkdir()
+        image, mask = synthetic_micrograph(args.size, 3, seed=0)
+        tifffile.imwrite(data / f"m{args.size}.tif", image)
+        big_file = None
+        if args.big:   # added later, as a person would upload it
+            big, _ = synthetic_micrograph(args.big, 3, seed=1)
+            big_file = work / f"m{args.big}.tif"
+            tifffile.imwrite(big_file, big)
+            del big
+        proc, url = start_server(data, work / "session", work / "server.log")
+        base = url.split("?")[0].rstrip("/")
+        (small,) = [im["id"] for im in get_json(base + "/api/state")["images"]]
+        result = {"image_size": args.size, "big_size": args.big or None}
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"])
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            page.set_default_timeout(300_000)
+            page.goto(url)
+            page.wait_for_selector(f'.image-row[data-id="{small}"]')
+
+            # 1. open → features ready (and the image shown) of the labelled image
+            page.click(f'.image-row[data-id="{small}"]')
+            result["image_shown_small_ms"] = wait_timing(page, "image_shown", small, 1)["ms"]
+            ready = wait_timing(page, "features_ready", small, 1)
+            result["features_ready_ms"], result["features_ready_since_click_ms"] = ready["ms"], ready["since_click_ms"]
+            page.keyboard.press("0")
+
+            # 2. live: a first stroke per class trains (features then cached); then timed strokes
+            for name in CLASSES:
+                page.fill("#class-name", name)
+                page.click("#add-class")
+                page.wait_for_selector(f'.class-row:has-text("{name}")')
+            page.check("#live")
+            radius = max(3, args.size // 128)
+            page.fill("#brush-size", str(radius))
+            plan = stroke_plan(mask, 1 + (args.strokes + 2) // 3, radius)
+            values = {int(page.locator(".class-row", has_text=n).get_attribute("data-value")): ph
+                      for ph, n in enumerate(CLASSES, start=1)}
+            for value, phase in values.items():
+                page.keyboard.press(str(value))
+                draw(page, plan[phase][0])
+                wait_idle(page)
+            n0 = len(timings(page, "stroke_to_overlay", small))
+            order = [list(values)[i % len(values)] for i in range(args.strokes)]
+            stroke_ms = []
+            for i, value in enumerate(order):
+                page.keyboard.press(str(value))
+                draw(page, plan[values[value]][1 + i // 3])
+                stroke_ms.append(wait_timing(page, "stroke_to_overlay", small, n0 + i + 1)["ms"])
+                wait_idle(page)
+            result["stroke_to_overlay_ms"] = stroke_ms
+            result["stroke_to_overlay_median_ms"] = statistics.median(stroke_ms)
+            trains = timings(page, "train", small)[-len(stroke_ms):]
+            result["train_server_ms"] = [t["server_ms"] for t in trains]
+            model = get_json(base + "/api/state")["model"]
+            result["model"] = model
+
+            # 3. the large image: click → shown, then zoom smoothness
+            if big_file is not None:
+                page.uncheck("#live")
+                wait_idle(page)
+                req = urllib.request.Request(f"{base}/api/images?name={big_file.name}", data=big_file.read_bytes(),
+                                             method="POST", headers={"Content-Type": "application/octet-stream"})
+                with urllib.request.urlopen(req, timeout=300) as res:
+                    (large,) = json.loads(res.read())["ids"]
+                page.reload()   # the page lists it; the labelled image comes back (its features are cached)
+                page.wait_for_selector(f'.image-row[data-id="{large}"]')
+                page.wait_for_function("() => window.app.labels !== null")
+                time.sleep(1)
+                page.click(f'.image-row[data-id="{large}"]')
+                shown = wait_timing(page, "image_shown", large, 1)
+                result["image_shown_big_ms"], result["image_shown_big_fetch_ms"] = shown["ms"], shown["fetch_ms"]
+                result["zoom_frame_ms"] = zoom_frames(page)
+            result["timings"] = page.evaluate("window.appTimings")
+            browser.close()
+        return result
+    finally:
+        if proc is not None:
+            stop_server(proc)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def report(result: dict, args) -> tuple[Path, Path]:
+    machine = f"2-core CPU, no GPU ({cpu_name()}, {os.cpu_count()} CPUs)" if (os.cpu_count() or 0) <= 2 else \
+        f"{os.cpu_count()}-core CPU ({cpu_name()})"
+    command = command_line("bench_app.py", args.argv)
+    env = environment()
+    try:
+        from playwright._repo_version import version as playwright_version
+    except ImportError:
+        playwright_version = None
+    chromium = subprocess.run([CHROMIUM, "--version"], capture_output=True, text=True).stdout.split(" built")[0].strip()
+    meta = {"command": command, "machine": machine, "processor": platform.processor(), "cpu": cpu_name(),
+            "cpu_count": os.cpu_count(), "chromium": chromium, "playwright": playwright_version, **env}
+    measured = {
+        "features_ready_s": result["features_ready_ms"] / 1000,
+        "stroke_to_overlay_s": result["stroke_to_overlay_median_ms"] / 1000,
+        "image_shown_4096_s": result["image_shown_big_ms"] / 1000 if "image_shown_big_ms" in result else None,
+    }
+    verdict = {k: (None if v is None else v <= TARGETS[k]) for k, v in measured.items()}
+    payload = {"meta": meta, "targets_s": TARGETS, "measured_s": measured, "meets_target": verdict,
+               "result": result}
+    s, b = args.size, args.big
+    strokes = ", ".join(f"{ms / 1000:.2f}" for ms in result["stroke_to_overlay_ms"])
+    ok = lambda k: "" if verdict[k] is None else ("meets it" if verdict[k] else "misses it")  # noqa: E731
+    lines = [f"# alibi-vit app: speed in the browser on {machine}", "",
+             f"Command: `{command}`", "",
+             f"Headless {chromium} driven by Playwright; the server `alibi-vit app` (classical features, "
+             f"no CRF) as a subprocess on the same machine; synthetic 3-phase 16-bit micrographs; "
+             f"times from the page's own `window.appTimings` (`performance.now()`); torch {env['torch']}; "
+             f"{env['date']}. Load average {result['load_average']['before']:.1f} before and "
+             f"{result['load_average']['after']:.1f} after the run on the machine's {os.cpu_count()} cores (other "
+             "work on them shows up in these wall times).", "",
+             "| step | measured (s) | target (s) | |",
+             "|---|---:|---:|---|",
+             f"| open a {s}² image → features ready (page polls every 250 ms) | {measured['features_ready_s']:.2f} | "
+             f"≤ {TARGETS['features_ready_s']:g} | {ok('features_ready_s')} |",
+             f"| live mode: stroke → new prediction drawn, {s}² image, median of {len(result['stroke_to_overlay_ms'])} "
+             f"| {measured['stroke_to_overlay_s']:.2f} | ≤ {TARGETS['stroke_to_overlay_s']:g} | {ok('stroke_to_overlay_s')} |"]
+    if measured["image_shown_4096_s"] is not None:
+        lines.append(f"| click a {b}² image → image drawn | {measured['image_shown_4096_s']:.2f} | "
+                     f"≤ {TARGETS['image_shown_4096_s']:g} | {ok('image_shown_4096_s')} |")
+    lines += ["", f"Each live stroke (s): {strokes}; of which the server's train + predict answer took "
+              f"{', '.join(f'{ms / 1000:.2f}' for ms in result['train_server_ms'])} s. "
+              f"Click → {s}² image drawn: {result['image_shown_small_ms'] / 1000:.2f} s; the page opens an image "
+              f"(starts its features) once the server has sent it, so click → features ready took "
+              f"{result['features_ready_since_click_ms'] / 1000:.2f} s."]
+    if "zoom_frame_ms" in result:
+        lines.append(f"Click → {b}² image drawn: {result['image_shown_big_fetch_ms'] / 1000:.2f} s until the "
+                     "server's display PNG had arrived, the rest decoding and drawing it in the page.")
+        lines.append(f"Wheel zoom on the {b}² image: median frame interval {result['zoom_frame_ms']:.1f} ms "
+                     "(software compositing in headless Chromium).")
+    return write_report(args.out_dir, "app_speed_cpu", payload, lines, smoke=args.smoke)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    load_before = os.getloadavg()[0]
+    result = run(args)
+    result["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}
+    md, js = report(result, args)
+    print(md.read_text())
+    print(f"wrote {md} and {js}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
