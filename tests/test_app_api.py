@@ -14,7 +14,7 @@ from PIL import Image
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from alibi_vit.app.engine import Engine  # noqa: E402
+from alibi_vit.app.engine import Engine, Job  # noqa: E402
 from alibi_vit.app.server import create_app  # noqa: E402
 from alibi_vit.app.session import Session, rasterise_stroke  # noqa: E402
 from alibi_vit.cli.main import main  # noqa: E402
@@ -265,3 +265,54 @@ def test_a_stack_written_page_by_page_opens_as_one_image_per_page(tmp_path, star
     ids = [i["id"] for i in client.get("/api/state").json()["images"]]
     assert ids == ["fib_z000", "fib_z001", "fib_z002"]
     assert all(np.array_equal(session.read(i), p) for i, p in zip(ids, pages))
+
+
+def test_vit_backbone_in_the_page_trains_and_saves_a_model_segment_apply_reloads(tmp_path, micrograph):
+    """Classical + a (tiny, random-init) ViT chosen in the page: patch features are cached like the
+    classical ones, and the saved model (with its backbone weights) gives the app's mask in segment apply."""
+    folder, _, truth = micrograph
+    session = Session(tmp_path / "session", [folder], allowed_roots=[folder])
+    engine = Engine(session, "alibi_vit_small_patch14_reg4_dinov2",
+                    {"model_kwargs": dict(depth=1, embed_dim=32, num_heads=2)})
+    try:
+        client = TestClient(create_app(session, engine))
+        assert client.get("/api/state").json()["settings"]["backbones"] == [None, "alibi_vit_small_patch14_reg4_dinov2"]
+        r = client.put("/api/settings", json={"backbone": "alibi_vit_small_patch14_reg4_dinov2"})
+        assert r.status_code == 200 and r.json()["backbone"] == "alibi_vit_small_patch14_reg4_dinov2"
+        draw_and_train(client, truth)
+        misses = engine.cache.misses
+        assert client.post("/api/train", json={"image": "m0"}).status_code == 200
+        assert engine.cache.misses == misses  # retraining computes no feature again
+        assert engine._segmenter.vit is not None and engine.model["classes"] == [1, 2, 3]
+        mask = read_png(client.get("/api/images/m0/mask.png").content)
+        job = client.post("/api/save", json={"what": ["model"], "scope": "image", "image": "m0"}).json()
+        while client.get(f"/api/jobs/{job['job']}").json()["state"] == "running":
+            time.sleep(0.05)
+        model = tmp_path / "session" / "export" / "model"
+        assert (model / "backbone.safetensors").is_file() and (model / "vit_pca.npz").is_file()
+        assert main(["segment", "apply", "--model", str(model), "--images", str(folder),
+                     "--out", str(tmp_path / "applied"), "--no-overlay"]) == 0
+        assert np.array_equal(read_png((tmp_path / "applied" / "m0_mask.png").read_bytes()), mask)
+    finally:
+        engine.close()
+
+
+def test_a_cancelled_save_job_stops_before_the_next_image(tmp_path, micrograph, start):
+    folder, image, truth = micrograph
+    tifffile.imwrite(folder / "m1.tif", image)
+    session, engine, client = start(folder)
+    draw_and_train(client, truth)
+    engine.run(engine._segmenter.save, tmp_path / "model")
+    job = Job("j-test", 2, engine.out)
+    job.cancelled.set()  # as DELETE /api/jobs/{job} does, before the first image is done
+    engine._save_job(job, ["masks"], ["m0", "m1"], tmp_path / "model")
+    assert job.state == "cancelled" and job.done == 0 and "cancelled after 0 of 2" in job.message
+    assert not (engine.out / "masks").exists()
+    r = client.post("/api/save", json={"what": ["masks"], "scope": "all"}).json()
+    cancelled = client.delete(f"/api/jobs/{r['job']}").json()
+    assert cancelled["job"] == r["job"]
+    while client.get(f"/api/jobs/{r['job']}").json()["state"] == "running":
+        time.sleep(0.05)
+    final = client.get(f"/api/jobs/{r['job']}").json()
+    assert final["state"] in ("cancelled", "done") and final["done"] <= 2  # racing the job: either ends cleanly
+    assert client.delete("/api/jobs/nope").status_code == 404
