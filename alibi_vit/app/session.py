@@ -144,6 +144,7 @@ class Session:
         self.colour = None  # "channels" (all images colour or all grey) or "grey" (a mix), fixed at first need
         self.labels: dict[str, np.ndarray] = {}  # in memory, loaded on first use
         self._read: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._counts: dict[str, tuple[int, dict]] = {}  # id → (label version, counts)
         self.allowed_roots = [Path(r).resolve() for r in allowed_roots] + [self.folder]
         if (self.folder / "session.json").is_file():
             self._load()
@@ -341,10 +342,17 @@ class Session:
         return labels
 
     def counts(self, image_id: str) -> dict:
-        if image_id not in self.labels and not self.images[image_id].strokes:
+        """Labelled pixels per class value ({"1": n, ...}); kept per label version (the page polls
+        the state while features are computed)."""
+        entry = self.images[image_id]
+        if image_id not in self.labels and not entry.strokes:
             return {}
-        values, counts = np.unique(self.label_image(image_id), return_counts=True)
-        return {str(int(v)): int(n) for v, n in zip(values, counts) if v}
+        with self.lock:
+            cached = self._counts.get(image_id)
+            if cached is None or cached[0] != entry.version:
+                counts = np.bincount(self.label_image(image_id).ravel(), minlength=MAX_CLASSES + 1)
+                cached = self._counts[image_id] = (entry.version, {str(v): int(n) for v, n in enumerate(counts) if v and n})
+            return cached[1]
 
     def add_stroke(self, image_id: str, cls, radius, points, erase: bool = False) -> int:
         entry = self.entry(image_id)
