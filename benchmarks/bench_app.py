@@ -20,7 +20,6 @@ Results go to ``benchmarks/results/app_speed_cpu.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -28,16 +27,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from app_driver import (CHROMIUM, Server, draw, launch_chromium, strokes_inside, timings,  # noqa: E402
+                        wait_idle, wait_timing)
 from report import command_line, environment, write_report  # noqa: E402
 
-CHROMIUM = "/usr/bin/chromium"
 TARGETS = {"features_ready_s": 3.0, "stroke_to_overlay_s": 2.0, "image_shown_4096_s": 2.0}
 CLASSES = ("matrix", "speckle", "stripes")
 
@@ -69,100 +67,10 @@ def cpu_name() -> str:
     return name or platform.machine()
 
 
-def alibi_vit() -> list[str]:
-    exe = Path(sys.executable).with_name("alibi-vit")
-    return [str(exe)] if exe.exists() else [shutil.which("alibi-vit") or "alibi-vit"]
-
-
-def start_server(data: Path, session: Path, log: Path, timeout: float = 120):
-    proc = subprocess.Popen([*alibi_vit(), "app", str(data), "--session", str(session), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, bufsize=1)
-    found = []
-
-    def read():
-        for line in proc.stdout:
-            if line.startswith("alibi-vit app: serving at "):
-                found.append(line.split("serving at ", 1)[1].strip())
-                break
-        proc.stdout.read()   # keep draining
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while not found and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    if not found:
-        proc.kill()
-        raise RuntimeError(f"alibi-vit app did not start:\n{log.read_text()[-3000:]}")
-    return proc, found[0]
-
-
-def stop_server(proc) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
-def get_json(url: str):
-    with urllib.request.urlopen(url, timeout=60) as res:
-        return json.loads(res.read())
-
-
-def timings(page, event: str, image: str | None = None) -> list[dict]:
-    return page.evaluate("([e, id]) => window.appTimings.filter(t => t.event === e && (id === null || t.image === id))",
-                         [event, image])
-
-
-def wait_timing(page, event: str, image: str | None, count: int, timeout_ms: float = 300_000) -> dict:
-    page.wait_for_function(
-        "([e, id, n]) => window.appTimings.filter(t => t.event === e && (id === null || t.image === id)).length >= n",
-        arg=[event, image, count], timeout=timeout_ms)
-    return timings(page, event, image)[count - 1]
-
-
-def to_screen(page, x: float, y: float):
-    box = page.locator("#image-layer").bounding_box()
-    w, h = page.evaluate("() => [document.getElementById('image-layer').width, document.getElementById('image-layer').height]")
-    return box["x"] + (x + 0.5) * box["width"] / w, box["y"] + (y + 0.5) * box["height"] / h
-
-
 def stroke_plan(mask, strokes_per_phase: int, radius: int):
     """For each phase, strokes (lists of image points) well inside its grains."""
-    import numpy as np
-    from scipy import ndimage
-
-    plan = {}
-    rows, cols = np.mgrid[:mask.shape[0], :mask.shape[1]]
-    for phase in (1, 2, 3):
-        inside = mask == phase
-        inside[:8], inside[-8:], inside[:, :8], inside[:, -8:] = False, False, False, False
-        dist = ndimage.distance_transform_edt(inside)
-        plan[phase] = []
-        for _ in range(strokes_per_phase):
-            y, x = np.unravel_index(np.argmax(dist), dist.shape)
-            d = dist[y, x]
-            half = int(max(2, min(d - radius - 2, 40)))
-            plan[phase].append([(x - half, y), (x, y), (x + half, y)])
-            dist[(rows - y) ** 2 + (cols - x) ** 2 < (3 * d) ** 2] = 0
-    return plan
-
-
-def draw(page, points) -> None:
-    page.mouse.move(*to_screen(page, *points[0]))
-    page.mouse.down()
-    for p in points[1:]:
-        page.mouse.move(*to_screen(page, *p), steps=8)
-    page.mouse.up()
-
-
-def wait_idle(page, timeout_ms: float = 300_000) -> None:
-    """No stroke in flight and no training running (nor queued)."""
-    page.wait_for_function("() => window.app.pendingStrokes === 0 && !window.app.training", timeout=timeout_ms)
-    time.sleep(0.3)
-    page.wait_for_function("() => window.app.pendingStrokes === 0 && !window.app.training", timeout=timeout_ms)
+    return {phase: strokes_inside(mask, phase, strokes_per_phase, radius, longest=40, narrow_ok=True)
+            for phase in (1, 2, 3)}
 
 
 def zoom_frames(page, steps: int = 40) -> float:
@@ -187,7 +95,7 @@ def run(args) -> dict:
     from alibi_vit.synthetic import synthetic_micrograph
 
     work = Path(tempfile.mkdtemp(prefix="alibi-vit-bench-app-"))
-    proc = None
+    server = None
     try:
         data = work / "images"
         data.mkdir()
@@ -199,15 +107,14 @@ def run(args) -> dict:
             big_file = work / f"m{args.big}.tif"
             tifffile.imwrite(big_file, big)
             del big
-        proc, url = start_server(data, work / "session", work / "server.log")
-        base = url.split("?")[0].rstrip("/")
-        (small,) = [im["id"] for im in get_json(base + "/api/state")["images"]]
+        server = Server(data, work / "session", log=work / "server.log")
+        (small,) = [im["id"] for im in server.json("GET", "/api/state")["images"]]
         result = {"image_size": args.size, "big_size": args.big or None}
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"])
+            browser = launch_chromium(p)
             page = browser.new_page(viewport={"width": 1280, "height": 800})
             page.set_default_timeout(300_000)
-            page.goto(url)
+            page.goto(server.url)
             page.wait_for_selector(f'.image-row[data-id="{small}"]')
 
             # 1. open → features ready (and the image shown) of the labelled image
@@ -244,17 +151,15 @@ def run(args) -> dict:
             result["stroke_to_overlay_median_ms"] = statistics.median(stroke_ms)
             trains = timings(page, "train", small)[-len(stroke_ms):]
             result["train_server_ms"] = [t["server_ms"] for t in trains]
-            model = get_json(base + "/api/state")["model"]
+            model = server.json("GET", "/api/state")["model"]
             result["model"] = model
 
             # 3. the large image: click → shown, then zoom smoothness
             if big_file is not None:
                 page.uncheck("#live")
                 wait_idle(page)
-                req = urllib.request.Request(f"{base}/api/images?name={big_file.name}", data=big_file.read_bytes(),
-                                             method="POST", headers={"Content-Type": "application/octet-stream"})
-                with urllib.request.urlopen(req, timeout=300) as res:
-                    (large,) = json.loads(res.read())["ids"]
+                (large,) = server.json("POST", f"/api/images?name={big_file.name}", raw=big_file.read_bytes(),
+                                       timeout=300)["ids"]
                 page.reload()   # the page lists it; the labelled image comes back (its features are cached)
                 page.wait_for_selector(f'.image-row[data-id="{large}"]')
                 page.wait_for_function("() => window.app.labels !== null")
@@ -267,8 +172,8 @@ def run(args) -> dict:
             browser.close()
         return result
     finally:
-        if proc is not None:
-            stop_server(proc)
+        if server is not None:
+            server.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 

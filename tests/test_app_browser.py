@@ -7,22 +7,26 @@ real mouse strokes, clicks and keys on the page; the server's answers are checke
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
-import threading
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-CHROMIUM = Path("/usr/bin/chromium")
+from tests.helpers import benchmark_module
+
+app_driver = benchmark_module("app_driver")   # benchmarks/app_driver.py, shared with benchmarks/bench_app.py
+CHROMIUM, Server, alibi_vit_command, to_screen, wait_timing, strokes_inside = (
+    app_driver.CHROMIUM, app_driver.Server, app_driver.alibi_vit_command, app_driver.to_screen,
+    app_driver.wait_timing, app_driver.strokes_inside)
+# A stroke through image points, then waits until the server has it.
+draw = functools.partial(app_driver.draw, steps=6, wait_sent=True)
+
 if not CHROMIUM.exists():
     pytest.skip("the browser tests need Debian's Chromium at /usr/bin/chromium (apt-get install chromium)",
                 allow_module_level=True)
@@ -37,86 +41,6 @@ VIEWPORT = {"width": 1280, "height": 800}
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def alibi_vit_command() -> list[str]:
-    exe = Path(sys.executable).with_name("alibi-vit")
-    if exe.exists():
-        return [str(exe)]
-    found = shutil.which("alibi-vit")
-    return [found] if found else [sys.executable, "-m", "alibi_vit.cli.main"]
-
-
-class Server:
-    """``alibi-vit app DIR --session SESSION --port 0`` as a subprocess, with a small HTTP client."""
-
-    def __init__(self, data: Path, session: Path, *extra: str, token: str | None = None, timeout: float = 120):
-        self.token = token
-        argv = [*alibi_vit_command(), "app", str(data), "--session", str(session), "--port", "0", *extra]
-        if token:
-            argv += ["--token", token]
-        self.log = session.parent / f"{session.name}-server-{time.monotonic_ns()}.log"
-        self._log = open(self.log, "w")
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1)
-        self.url = self._wait_for_url(timeout)
-        self.base = self.url.split("?")[0].rstrip("/")
-        # Keep reading stdout so the server never blocks on a full pipe.
-        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
-
-    def _wait_for_url(self, timeout: float) -> str:
-        found: list[str] = []
-
-        def read():
-            for line in self.proc.stdout:
-                if line.startswith("alibi-vit app: serving at "):
-                    found.append(line.split("serving at ", 1)[1].strip())
-                    return
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        reader.join(timeout)
-        if not found:
-            self.stop()
-            raise AssertionError(f"alibi-vit app did not start within {timeout} s:\n{self.log.read_text()[-3000:]}")
-        return found[0]
-
-    def request(self, method: str, path: str, body=None, raw: bytes | None = None) -> tuple[int, bytes]:
-        headers = {"X-Token": self.token} if self.token else {}
-        data = raw
-        if body is not None:
-            data = json.dumps(body).encode()
-            headers["Content-Type"] = "application/json"
-        req = urllib.request.Request(self.base + path, data=data, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=120) as res:
-                return res.status, res.read()
-        except urllib.error.HTTPError as err:
-            return err.code, err.read()
-
-    def json(self, method: str, path: str, body=None, raw: bytes | None = None, expect: int = 200):
-        code, data = self.request(method, path, body, raw)
-        assert code == expect, f"{method} {path}: {code} {data[:500]!r} (expected {expect})"
-        return json.loads(data)
-
-    def png(self, path: str) -> np.ndarray:
-        from PIL import Image
-
-        code, data = self.request("GET", path)
-        assert code == 200, f"GET {path}: {code} {data[:300]!r}"
-        return np.asarray(Image.open(io.BytesIO(data)))
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-
-
 @pytest.fixture(scope="module")
 def micrograph(tmp_path_factory):
     """A folder with one 3-phase 16-bit TIFF micrograph (m0.tif) and its ground-truth mask (1..3)."""
@@ -148,7 +72,7 @@ def servers():
 @pytest.fixture(scope="module")
 def browser():
     with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-dev-shm-usage"])
+        b = app_driver.launch_chromium(p)
         yield b
         b.close()
 
@@ -179,10 +103,8 @@ def open_app(page, server: Server):
 
 def open_image(page, image_id: str = "m0"):
     page.click(f'.image-row[data-id="{image_id}"]')
-    page.wait_for_function("id => window.appTimings.some(t => t.event === 'image_shown' && t.image === id)",
-                           arg=image_id)
-    page.wait_for_function("id => window.appTimings.some(t => t.event === 'features_ready' && t.image === id)",
-                           arg=image_id, timeout=60_000)
+    wait_timing(page, "image_shown", image_id, 1, timeout_ms=30_000)
+    wait_timing(page, "features_ready", image_id, 1, timeout_ms=60_000)
     page.keyboard.press("0")   # fit
 
 
@@ -193,43 +115,6 @@ def add_class(page, name: str) -> int:
     page.wait_for_function("n => document.querySelectorAll('.class-row').length > n", arg=before)
     row = page.locator(".class-row", has_text=name)
     return int(row.get_attribute("data-value"))
-
-
-def to_screen(page, x: float, y: float) -> tuple[float, float]:
-    """Image pixel (column x, row y) → page coordinates of its centre, from the image layer's box."""
-    box = page.locator("#image-layer").bounding_box()
-    w, h = page.evaluate("() => [document.getElementById('image-layer').width, document.getElementById('image-layer').height]")
-    return box["x"] + (x + 0.5) * box["width"] / w, box["y"] + (y + 0.5) * box["height"] / h
-
-
-def draw(page, points) -> None:
-    """A stroke with the left mouse button through ``points`` (image px), then waits until the server has it."""
-    page.mouse.move(*to_screen(page, *points[0]))
-    page.mouse.down()
-    for p in points[1:]:
-        page.mouse.move(*to_screen(page, *p), steps=6)
-    page.mouse.up()
-    page.wait_for_function("() => window.app.pendingStrokes === 0")
-
-
-def strokes_inside(mask: np.ndarray, phase: int, count: int, radius: int) -> list[list[tuple[int, int]]]:
-    """``count`` horizontal strokes well inside grains of ``phase``: each a segment whose brush discs stay
-    inside the largest disc that fits in the grain there (distance transform), in different grains."""
-    from scipy import ndimage
-
-    inside = mask == phase
-    inside[:8], inside[-8:], inside[:, :8], inside[:, -8:] = False, False, False, False
-    dist = ndimage.distance_transform_edt(inside)
-    rows, cols = np.mgrid[:mask.shape[0], :mask.shape[1]]
-    strokes = []
-    for _ in range(count):
-        y, x = np.unravel_index(np.argmax(dist), dist.shape)
-        d = dist[y, x]
-        half = int(min(d - radius - 2, 14))
-        assert half >= 2, f"phase {phase}: no grain wide enough for a stroke"
-        strokes.append([(x - half, y), (x, y), (x + half, y)])
-        dist[(rows - y) ** 2 + (cols - x) ** 2 < (3 * d) ** 2] = 0   # the next stroke elsewhere
-    return strokes
 
 
 def label_layer_counts(page, colours: dict[int, str]) -> dict[int, int]:
@@ -304,7 +189,7 @@ def test_scribble_train_reload_save_apply(micrograph, servers, new_page, tmp_pat
     assert {int(k): n for k, n in state["images"][0]["labelled"].items()} == value_counts(labels, values.values())
 
     page.click("#train")
-    page.wait_for_function("() => window.appTimings.some(t => t.event === 'train')", timeout=120_000)
+    wait_timing(page, "train", None, 1, timeout_ms=120_000)
     assert page.locator("#overlay-layer").is_visible()
     assert page.get_attribute("#overlay-layer", "data-kind") == "prediction"
     fractions = page.locator("#fractions tbody tr")
