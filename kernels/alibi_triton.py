@@ -151,9 +151,9 @@ def _cfg(block_m, block_n, warps, stages):
 # benchmarks/results/kernel_sass_sm90_triton3.6.md, the Triton the GPU machines run, with 3.9 beside
 # it), which chose the first entries; the dK/dV default (64x64, 4 warps, 3 stages) was re-ranked on
 # 3.6, where it matches 64x128 with 8 warps by the serial bound, pipelines the bias gather and fits
-# 2 CTAs/SM. Table mode, 16-bit, head_dim <= 64: no spills and no ptxas C7515 on 3.6 or 3.9. At 128
-# the atomic-dQ dK/dV kernel gets C7515 on 3.6 and spills inside its loop. A 128x128 tile spills
-# heavily in table
+# 2 CTAs/SM. Table mode, 16-bit: no ptxas C7515 on 3.6 (the atomic-dQ dK/dV kernel at 128 with its
+# 32-row query tiles included, since it computes dQ transposed) and no spills in the default
+# configs. A 128x128 tile spills heavily in table
 # mode. The sqrt mode is a reference: two configs each. fp32 inputs with exact ("ieee") products
 # use no tensor cores and far more registers: small tiles only, and even those spill; fp32 is a
 # correctness path.
@@ -537,9 +537,17 @@ def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Cod
         dst = pt * (dpt - delta[None, :])
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), acc=dk, input_precision=DOT_PREC)
         if ATOMIC_DQ:  # this key tile's share of dQ (unscaled), added into the fp32 buffer in any order
-            dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=DOT_PREC)
-            tl.atomic_add(DQ + offs_m[:, None] * stride_gn + offs_d[None, :] * stride_gd, dq, mask=mask_m[:, None],
-                          sem="relaxed")
+            if BLOCK_M < 64:
+                # A query tile narrower than a warpgroup's 64 rows cannot be a wgmma's M: dS·K would be an
+                # mma.sync beside the loop's wgmma, and ptxas serialises every wgmma (advisory C7515 on
+                # Triton 3.6 at head_dim 128, 32x64 tiles). As (K^T·dS)^T the head dim is M instead.
+                dqt = tl.dot(tl.trans(k), dst.to(k.dtype), input_precision=DOT_PREC)
+                tl.atomic_add(DQ + offs_d[:, None] * stride_gd + offs_m[None, :] * stride_gn, dqt,
+                              mask=mask_m[None, :], sem="relaxed")
+            else:
+                dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=DOT_PREC)
+                tl.atomic_add(DQ + offs_m[:, None] * stride_gn + offs_d[None, :] * stride_gd, dq, mask=mask_m[:, None],
+                              sem="relaxed")
         if COMPUTE_DSLOPE and HAS_BIAS:
             if TABLE == 1:  # dL/dm needs B itself: gather it from the unscaled table (TABLE == 2 gathered it)
                 bias_t = _bias_tile(qa, qb, ku, kb, Tbl, h, w, TABLE, WRAP, True)

@@ -322,6 +322,23 @@ def test_atomic_dq_matches_reference_without_the_dq_kernel(grid, prefix, dtype, 
     assert at.atomic_dq_enabled() == before
 
 
+@pytest.mark.skipif(CUDA, reason="swaps the interpreter's dK/dV tile config")
+@pytest.mark.parametrize("block_m", [32, 64])
+@pytest.mark.parametrize("head_dim,bias_mode,slope_kind", [(32, "table", "learned"), (64, "sqrt", "fixed")])
+def test_atomic_dq_both_layouts_match_reference(block_m, head_dim, bias_mode, slope_kind, monkeypatch):
+    """The atomic dQ adds dS·K as (K^T·dS)^T for query tiles under 64 rows (a wgmma needs 64) and as dS^T·K
+    otherwise: both layouts, with partial query and key tiles (N = 47), give the reference's gradients."""
+    from kernels import alibi_triton as at
+
+    cfg = at._cfg(block_m, 16, 4, 1)
+    monkeypatch.setattr(at, "_dkdv_kernel", triton.autotune(configs=[cfg], key=["N_BUCKET", "HEAD_DIM"])(
+        at._alibi_bwd_dkdv_kernel))
+    monkeypatch.setattr(at, "_dq_kernel", None)  # never launched with atomic dQ
+    with at.atomic_dq():
+        _run_and_compare((6, 7), 5, True, True, head_dim, bias_mode, slope_kind, torch.float32, bsz=1, heads=2,
+                         seed=53)
+
+
 def test_autocast_runs_in_the_autocast_dtype():
     """Like SDPA: fp32 inputs inside torch.autocast give a 16-bit output, fp32 gradients, the reference's values."""
     grid, prefix = (3, 4), 1
