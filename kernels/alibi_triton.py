@@ -482,10 +482,13 @@ def _alibi_fwd_kernel(Q, K, V, O, LSE, Slopes, Codes, Tbl,
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _bwd_preprocess_kernel(O, DO, Delta,
+def _bwd_preprocess_kernel(O, DO, LSE, LSEP, Delta,
                            stride_ob, stride_oh, stride_on, stride_od,
                            stride_dob, stride_doh, stride_don, stride_dod,
-                           H, N, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+                           H, N, stat_stride, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    # Per-row statistics for the backward kernels in rows of stat_stride (N rounded up to CODE_PAD):
+    # Δ = rowsum(dO∘O) and a copy of lse; rows past N hold lse = +inf and Δ = 0, so the backward
+    # kernels load them without masks (and, with the aligned row stride, as vectors).
     pid_m = tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2).to(tl.int64)
@@ -497,7 +500,10 @@ def _bwd_preprocess_kernel(O, DO, Delta,
     o = tl.load(O + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od, mask=mask_m[:, None], other=0.0)
     do = tl.load(DO + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod, mask=mask_m[:, None], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + (off_b * H + off_h) * N + offs_m, delta, mask=mask_m)
+    lse = tl.load(LSE + (off_b * H + off_h) * N + offs_m, mask=mask_m, other=float("inf"))
+    row = (off_b * H + off_h) * stat_stride
+    tl.store(LSEP + row + offs_m, lse)
+    tl.store(Delta + row + offs_m, delta)
 
 
 @triton.jit
@@ -514,9 +520,10 @@ def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Cod
         qt = tl.load(Q + offs_d[:, None] * stride_qd + offs_m[None, :] * stride_qn, mask=mask_m[None, :], other=0.0)
         do = tl.load(DO + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod, mask=mask_m[:, None],
                      other=0.0)
-        # lse = +inf for queries past N makes their probabilities exactly 0: no element mask needed.
-        lse = tl.load(LSE + offs_m, mask=mask_m, other=float("inf"))
-        delta = tl.load(Delta + offs_m, mask=mask_m, other=0.0)
+        # Padded rows (lse = +inf past N: probabilities exactly 0), loaded without masks: with masks Triton
+        # 3.6 copied them element by element, 32 predicated copies per thread and iteration at 64x64.
+        lse = tl.load(LSE + offs_m)
+        delta = tl.load(Delta + offs_m)
         if HAS_BIAS:
             if TABLE:  # query-pair codes (row 3 of Codes) against ka = pair table + 2·(negated key code)
                 qa = tl.load(Codes + 3 * code_stride + offs_m)
@@ -562,7 +569,8 @@ def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, LSE, Delta, DSL, Slopes, Cod
                            stride_vb, stride_vh, stride_vn, stride_vd,
                            stride_dob, stride_doh, stride_don, stride_dod,
                            stride_gb, stride_gh, stride_gn, stride_gd,
-                           H, N, N_BUCKET, h, w, code_stride, tbl_stride, qk_scale, sm_scale, bias_scale, bias_norm,
+                           H, N, N_BUCKET, h, w, code_stride, stat_stride, tbl_stride, qk_scale, sm_scale, bias_scale,
+                           bias_norm,
                            HEAD_DIM: tl.constexpr, TABLE: tl.constexpr, WRAP: tl.constexpr,
                            COMPUTE_DSLOPE: tl.constexpr, DOT_PREC: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr = True,
@@ -580,8 +588,8 @@ def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, LSE, Delta, DSL, Slopes, Cod
     DV += off_b * stride_gb + off_h.to(tl.int64) * stride_gh
     DQ += off_b * stride_gb + off_h.to(tl.int64) * stride_gh
     row = (off_b * H + off_h) * N
-    LSE += row
-    Delta += row
+    LSE += (off_b * H + off_h) * stat_stride
+    Delta += (off_b * H + off_h) * stat_stride
     DSL += row
 
     b_scale = tl.load(Slopes + off_h).to(tl.float32) * bias_scale
@@ -659,8 +667,8 @@ def _dq_head(Q, DO, LSE, Delta, offs_m, offs_d, mask_m, stride_qn, stride_qd, st
     """The resident query-side tiles of one head: q, dO, logsumexp, Δ."""
     q = tl.load(Q + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, mask=mask_m[:, None], other=0.0)
     do = tl.load(DO + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod, mask=mask_m[:, None], other=0.0)
-    lse = tl.load(LSE + offs_m, mask=mask_m, other=float("inf"))
-    delta = tl.load(Delta + offs_m, mask=mask_m, other=0.0)
+    lse = tl.load(LSE + offs_m)  # padded rows (see _bwd_preprocess_kernel)
+    delta = tl.load(Delta + offs_m)
     return q, do, lse, delta
 
 
@@ -671,7 +679,7 @@ def _alibi_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta, Slopes, Codes, Tbl,
                          stride_vb, stride_vh, stride_vn, stride_vd,
                          stride_dob, stride_doh, stride_don, stride_dod,
                          stride_gb, stride_gh, stride_gn, stride_gd,
-                         H, N, N_BUCKET, h, w, code_stride, tbl_stride, qk_scale, sm_scale, bias_scale,
+                         H, N, N_BUCKET, h, w, code_stride, stat_stride, tbl_stride, qk_scale, sm_scale, bias_scale,
                          HEAD_DIM: tl.constexpr, TABLE: tl.constexpr, WRAP: tl.constexpr,
                          COMPUTE_DSLOPE: tl.constexpr, DOT_PREC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr = True,
@@ -687,7 +695,7 @@ def _alibi_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta, Slopes, Codes, Tbl,
     V += off_b * stride_vb + off_h.to(tl.int64) * stride_vh
     DO += off_b * stride_dob + off_h.to(tl.int64) * stride_doh
     DQ += off_b * stride_gb + off_h.to(tl.int64) * stride_gh
-    row = (off_b * H + off_h) * N
+    row = (off_b * H + off_h) * stat_stride
 
     b_scale = tl.load(Slopes + off_h).to(tl.float32) * bias_scale
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -702,7 +710,8 @@ def _alibi_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta, Slopes, Codes, Tbl,
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     q2, do2, lse2, delta2, dq2 = 0.0, 0.0, 0.0, 0.0, 0.0  # the pair's second head (placeholders without HEAD_PAIR)
     if HEAD_PAIR:
-        q2, do2, lse2, delta2 = _dq_head(Q + stride_qh, DO + stride_doh, LSE + row + N, Delta + row + N, offs_m,
+        q2, do2, lse2, delta2 = _dq_head(Q + stride_qh, DO + stride_doh, LSE + row + stat_stride, Delta + row + stat_stride,
+                                         offs_m,
                                          offs_d, mask_m, stride_qn, stride_qd, stride_don, stride_dod)
         dq2 = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # Key tiles as in the forward: full ones unmasked, then a wide or a narrow masked tail.
@@ -850,9 +859,16 @@ def _fwd_args(q, k, v, o, lse, slopes, geometry, wrap, use_table):
                       HEAD_PAIR=head_pair(q, slopes, use_table))
 
 
+def stat_stride(n):
+    """Row length of the backward's per-row statistics (lse copy, Δ): N rounded up to CODE_PAD, so every
+    query tile reads them without masks and the rows start aligned."""
+    return triton.cdiv(n, CODE_PAD) * CODE_PAD
+
+
 def _bwd_args(do, q, k, v, dq, dk, dv, lse, delta, dsl, slopes, geometry, wrap, use_table):
     """(dK/dV args, dQ args, constexpr keyword args, dQ's HEAD_PAIR) of the backward kernels; also used by
-    the SASS benchmark."""
+    the SASS benchmark. ``lse`` and ``delta`` are the padded (B, heads, stat_stride(N)) rows that
+    _bwd_preprocess_kernel writes."""
     bsz, heads, n, d = q.shape
     (h, w), (codes, tbl, bias_norm, pair_tbl) = geometry
     code_stride = codes.stride(0)
@@ -864,8 +880,9 @@ def _bwd_args(do, q, k, v, dq, dk, dv, lse, delta, dsl, slopes, geometry, wrap, 
         tbl = pair_tbl
     scaled = _scaled_table(tbl, slopes, table)
     slopes = _per_head(slopes, heads)
+    assert lse.shape[-1] == delta.shape[-1] == stat_stride(n)  # the padded rows of _bwd_preprocess_kernel
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), heads, n, n_bucket(n), h, w,
-               code_stride)
+               code_stride, stat_stride(n))
     scales = (sm_scale * LOG2E, sm_scale, LOG2E * bias_norm)
     dkdv = (q, k, v, do, dk, dv, dq, lse, delta, dsl, slopes, codes, scaled, tbl, *strides, tbl_stride, *scales,
             bias_norm)
@@ -895,7 +912,8 @@ def _launch_bwd(do, q, k, v, o, lse, slopes, h, w, prefix, wrap, normalize, use_
     bsz, heads, n, d = q.shape
     geometry = (h, w), device_bias_lookup(h, w, prefix, wrap, normalize, use_table, q.device, metric)
     _check_tile_offsets("grad_output", do)
-    delta = q.new_empty((bsz, heads, n), dtype=torch.float32)
+    # One allocation for the padded lse copy and Δ (see _bwd_preprocess_kernel).
+    lse_pad, delta = q.new_empty((2, bsz, heads, stat_stride(n)), dtype=torch.float32).unbind(0)
     dk, dv = _new_bnhd(q), _new_bnhd(q)
     dq = _new_bnhd(q) if need_dq else dk  # without dQ no kernel writes it (dk stands in for the pointer)
     assert dq.stride() == dk.stride() == dv.stride()  # the kernels share one set of gradient strides
@@ -908,15 +926,16 @@ def _launch_bwd(do, q, k, v, o, lse, slopes, h, w, prefix, wrap, normalize, use_
     def grid_k(meta):
         return (triton.cdiv(n, meta["BLOCK_N"]), heads, bsz)
 
-    dkdv_args, dq_args, kw, pair = _bwd_args(do, q, k, v, dq_acc, dk, dv, lse, delta, dsl, slopes, geometry, wrap,
-                                             use_table)
+    dkdv_args, dq_args, kw, pair = _bwd_args(do, q, k, v, dq_acc, dk, dv, lse_pad, delta, dsl, slopes, geometry,
+                                             wrap, use_table)
 
     def grid_q(meta):
         return (triton.cdiv(n, meta["BLOCK_M"]), heads // 2 if pair else heads, bsz)
 
     with _device_guard(q):
-        _bwd_preprocess_kernel[(triton.cdiv(n, _PREPROCESS_BLOCK_M), heads, bsz)](
-            o, do, delta, *_strides(o), *_strides(do), heads, n, HEAD_DIM=d, BLOCK_M=_PREPROCESS_BLOCK_M,
+        _bwd_preprocess_kernel[(stat_stride(n) // _PREPROCESS_BLOCK_M, heads, bsz)](
+            o, do, lse, lse_pad, delta, *_strides(o), *_strides(do), heads, n, stat_stride(n), HEAD_DIM=d,
+            BLOCK_M=_PREPROCESS_BLOCK_M,
             **_LAUNCH_OPTIONS)
         _dkdv_kernel[grid_k](*dkdv_args, **kw, COMPUTE_DSLOPE=need_dslopes, ATOMIC_DQ=atomic_dq, HAS_BIAS=_HAS_BIAS,
                              **_LAUNCH_OPTIONS)
