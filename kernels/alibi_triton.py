@@ -59,7 +59,8 @@ the kernels do no integer division in their inner loops.
 Backward (non-causal; by default without atomics, so bitwise deterministic for a given block
 configuration):
 
-1. ``Δ_i = Σ_d O_id·dO_id`` (preprocess kernel).
+1. ``Δ_i = Σ_d O_id·dO_id`` (preprocess kernel), written with a copy of lse into rows padded to a
+   multiple of CODE_PAD (lse = +inf, Δ = 0 past N), so the other kernels load both without masks.
 2. dK/dV kernel: a program keeps one ``BLOCK_N`` tile of K and V resident and loops over all
    query tiles, recomputing ``P = exp2(s - lse)``; ``dV += Pᵀ dO``, ``dS = P ∘ (dP - Δ)``
    with ``dP = dO Vᵀ``, ``dK += dSᵀ Q · scale``. When the slope needs a gradient it also
