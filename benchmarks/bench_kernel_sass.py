@@ -130,12 +130,12 @@ def _sample_call(kind, head_dim, dtype, table, atomic_dq=False):
     qkv = torch.empty(1, n, 3, heads, head_dim, dtype=dtype)
     q, k, v = qkv.permute(2, 0, 3, 1, 4)  # as timm's fused qkv projection hands them over
     slopes = torch.ones(1)  # constant slopes (slopes=None, the paper's choice): one slope for all heads
-    lse, delta = (torch.empty(1, heads, n) for _ in range(2))
     if kind == "fwd":
-        args, kw = at._fwd_args(q, k, v, at._new_bnhd(q), lse, slopes, geometry, True, table)
+        args, kw = at._fwd_args(q, k, v, at._new_bnhd(q), torch.empty(1, heads, n), slopes, geometry, True, table)
         return at._alibi_fwd_kernel, args, kw
     do, dk, dv = (at._new_bnhd(q) for _ in range(3))
     dq = at._new_bnhd(q, torch.float32 if atomic_dq else None)
+    lse, delta = torch.empty(2, 1, heads, at.stat_stride(n)).unbind(0)  # the backward's padded statistics rows
     dkdv_args, dq_args, kw, pair = at._bwd_args(do, q, k, v, dq, dk, dv, lse, delta, torch.empty(1), slopes,
                                                 geometry, True, table)
     kw = {**kw, "COMPUTE_DSLOPE": False}  # constant slopes (the paper's choice): no slope gradient

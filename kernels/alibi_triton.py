@@ -59,7 +59,8 @@ the kernels do no integer division in their inner loops.
 Backward (non-causal; by default without atomics, so bitwise deterministic for a given block
 configuration):
 
-1. ``Δ_i = Σ_d O_id·dO_id`` (preprocess kernel).
+1. ``Δ_i = Σ_d O_id·dO_id`` (preprocess kernel), written with a copy of lse into rows padded to a
+   multiple of CODE_PAD (lse = +inf, Δ = 0 past N), so the other kernels load both without masks.
 2. dK/dV kernel: a program keeps one ``BLOCK_N`` tile of K and V resident and loops over all
    query tiles, recomputing ``P = exp2(s - lse)``; ``dV += Pᵀ dO``, ``dS = P ∘ (dP - Δ)``
    with ``dP = dO Vᵀ``, ``dK += dSᵀ Q · scale``. When the slope needs a gradient it also
@@ -151,9 +152,9 @@ def _cfg(block_m, block_n, warps, stages):
 # benchmarks/results/kernel_sass_sm90_triton3.6.md, the Triton the GPU machines run, with 3.9 beside
 # it), which chose the first entries; the dK/dV default (64x64, 4 warps, 3 stages) was re-ranked on
 # 3.6, where it matches 64x128 with 8 warps by the serial bound, pipelines the bias gather and fits
-# 2 CTAs/SM. Table mode, 16-bit, head_dim <= 64: no spills and no ptxas C7515 on 3.6 or 3.9. At 128
-# the atomic-dQ dK/dV kernel gets C7515 on 3.6 and spills inside its loop. A 128x128 tile spills
-# heavily in table
+# 2 CTAs/SM. Table mode, 16-bit: no ptxas C7515 on 3.6 (the atomic-dQ dK/dV kernel at 128 with its
+# 32-row query tiles included, since it computes dQ transposed) and no spills in the default
+# configs. A 128x128 tile spills heavily in table
 # mode. The sqrt mode is a reference: two configs each. fp32 inputs with exact ("ieee") products
 # use no tensor cores and far more registers: small tiles only, and even those spill; fp32 is a
 # correctness path.
@@ -482,10 +483,13 @@ def _alibi_fwd_kernel(Q, K, V, O, LSE, Slopes, Codes, Tbl,
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _bwd_preprocess_kernel(O, DO, Delta,
+def _bwd_preprocess_kernel(O, DO, LSE, LSEP, Delta,
                            stride_ob, stride_oh, stride_on, stride_od,
                            stride_dob, stride_doh, stride_don, stride_dod,
-                           H, N, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+                           H, N, stat_stride, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    # Per-row statistics for the backward kernels in rows of stat_stride (N rounded up to CODE_PAD):
+    # Δ = rowsum(dO∘O) and a copy of lse; rows past N hold lse = +inf and Δ = 0, so the backward
+    # kernels load them without masks (and, with the aligned row stride, as vectors).
     pid_m = tl.program_id(0)
     off_h = tl.program_id(1)
     off_b = tl.program_id(2).to(tl.int64)
@@ -497,7 +501,10 @@ def _bwd_preprocess_kernel(O, DO, Delta,
     o = tl.load(O + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od, mask=mask_m[:, None], other=0.0)
     do = tl.load(DO + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod, mask=mask_m[:, None], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + (off_b * H + off_h) * N + offs_m, delta, mask=mask_m)
+    lse = tl.load(LSE + (off_b * H + off_h) * N + offs_m, mask=mask_m, other=float("inf"))
+    row = (off_b * H + off_h) * stat_stride
+    tl.store(LSEP + row + offs_m, lse)
+    tl.store(Delta + row + offs_m, delta)
 
 
 @triton.jit
@@ -514,9 +521,10 @@ def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Cod
         qt = tl.load(Q + offs_d[:, None] * stride_qd + offs_m[None, :] * stride_qn, mask=mask_m[None, :], other=0.0)
         do = tl.load(DO + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod, mask=mask_m[:, None],
                      other=0.0)
-        # lse = +inf for queries past N makes their probabilities exactly 0: no element mask needed.
-        lse = tl.load(LSE + offs_m, mask=mask_m, other=float("inf"))
-        delta = tl.load(Delta + offs_m, mask=mask_m, other=0.0)
+        # Padded rows (lse = +inf past N: probabilities exactly 0), loaded without masks: with masks Triton
+        # 3.6 copied them element by element, 32 predicated copies per thread and iteration at 64x64.
+        lse = tl.load(LSE + offs_m)
+        delta = tl.load(Delta + offs_m)
         if HAS_BIAS:
             if TABLE:  # query-pair codes (row 3 of Codes) against ka = pair table + 2·(negated key code)
                 qa = tl.load(Codes + 3 * code_stride + offs_m)
@@ -537,9 +545,17 @@ def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Cod
         dst = pt * (dpt - delta[None, :])
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), acc=dk, input_precision=DOT_PREC)
         if ATOMIC_DQ:  # this key tile's share of dQ (unscaled), added into the fp32 buffer in any order
-            dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=DOT_PREC)
-            tl.atomic_add(DQ + offs_m[:, None] * stride_gn + offs_d[None, :] * stride_gd, dq, mask=mask_m[:, None],
-                          sem="relaxed")
+            if BLOCK_M < 64:
+                # A query tile narrower than a warpgroup's 64 rows cannot be a wgmma's M: dS·K would be an
+                # mma.sync beside the loop's wgmma, and ptxas serialises every wgmma (advisory C7515 on
+                # Triton 3.6 at head_dim 128, 32x64 tiles). As (K^T·dS)^T the head dim is M instead.
+                dqt = tl.dot(tl.trans(k), dst.to(k.dtype), input_precision=DOT_PREC)
+                tl.atomic_add(DQ + offs_d[:, None] * stride_gd + offs_m[None, :] * stride_gn, dqt,
+                              mask=mask_m[None, :], sem="relaxed")
+            else:
+                dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=DOT_PREC)
+                tl.atomic_add(DQ + offs_m[:, None] * stride_gn + offs_d[None, :] * stride_gd, dq, mask=mask_m[:, None],
+                              sem="relaxed")
         if COMPUTE_DSLOPE and HAS_BIAS:
             if TABLE == 1:  # dL/dm needs B itself: gather it from the unscaled table (TABLE == 2 gathered it)
                 bias_t = _bias_tile(qa, qb, ku, kb, Tbl, h, w, TABLE, WRAP, True)
@@ -554,7 +570,8 @@ def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, LSE, Delta, DSL, Slopes, Cod
                            stride_vb, stride_vh, stride_vn, stride_vd,
                            stride_dob, stride_doh, stride_don, stride_dod,
                            stride_gb, stride_gh, stride_gn, stride_gd,
-                           H, N, N_BUCKET, h, w, code_stride, tbl_stride, qk_scale, sm_scale, bias_scale, bias_norm,
+                           H, N, N_BUCKET, h, w, code_stride, stat_stride, tbl_stride, qk_scale, sm_scale, bias_scale,
+                           bias_norm,
                            HEAD_DIM: tl.constexpr, TABLE: tl.constexpr, WRAP: tl.constexpr,
                            COMPUTE_DSLOPE: tl.constexpr, DOT_PREC: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr = True,
@@ -572,8 +589,8 @@ def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, LSE, Delta, DSL, Slopes, Cod
     DV += off_b * stride_gb + off_h.to(tl.int64) * stride_gh
     DQ += off_b * stride_gb + off_h.to(tl.int64) * stride_gh
     row = (off_b * H + off_h) * N
-    LSE += row
-    Delta += row
+    LSE += (off_b * H + off_h) * stat_stride
+    Delta += (off_b * H + off_h) * stat_stride
     DSL += row
 
     b_scale = tl.load(Slopes + off_h).to(tl.float32) * bias_scale
@@ -651,8 +668,8 @@ def _dq_head(Q, DO, LSE, Delta, offs_m, offs_d, mask_m, stride_qn, stride_qd, st
     """The resident query-side tiles of one head: q, dO, logsumexp, Δ."""
     q = tl.load(Q + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, mask=mask_m[:, None], other=0.0)
     do = tl.load(DO + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod, mask=mask_m[:, None], other=0.0)
-    lse = tl.load(LSE + offs_m, mask=mask_m, other=float("inf"))
-    delta = tl.load(Delta + offs_m, mask=mask_m, other=0.0)
+    lse = tl.load(LSE + offs_m)  # padded rows (see _bwd_preprocess_kernel)
+    delta = tl.load(Delta + offs_m)
     return q, do, lse, delta
 
 
@@ -663,7 +680,7 @@ def _alibi_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta, Slopes, Codes, Tbl,
                          stride_vb, stride_vh, stride_vn, stride_vd,
                          stride_dob, stride_doh, stride_don, stride_dod,
                          stride_gb, stride_gh, stride_gn, stride_gd,
-                         H, N, N_BUCKET, h, w, code_stride, tbl_stride, qk_scale, sm_scale, bias_scale,
+                         H, N, N_BUCKET, h, w, code_stride, stat_stride, tbl_stride, qk_scale, sm_scale, bias_scale,
                          HEAD_DIM: tl.constexpr, TABLE: tl.constexpr, WRAP: tl.constexpr,
                          COMPUTE_DSLOPE: tl.constexpr, DOT_PREC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr = True,
@@ -679,7 +696,7 @@ def _alibi_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta, Slopes, Codes, Tbl,
     V += off_b * stride_vb + off_h.to(tl.int64) * stride_vh
     DO += off_b * stride_dob + off_h.to(tl.int64) * stride_doh
     DQ += off_b * stride_gb + off_h.to(tl.int64) * stride_gh
-    row = (off_b * H + off_h) * N
+    row = (off_b * H + off_h) * stat_stride
 
     b_scale = tl.load(Slopes + off_h).to(tl.float32) * bias_scale
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -694,7 +711,8 @@ def _alibi_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta, Slopes, Codes, Tbl,
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     q2, do2, lse2, delta2, dq2 = 0.0, 0.0, 0.0, 0.0, 0.0  # the pair's second head (placeholders without HEAD_PAIR)
     if HEAD_PAIR:
-        q2, do2, lse2, delta2 = _dq_head(Q + stride_qh, DO + stride_doh, LSE + row + N, Delta + row + N, offs_m,
+        q2, do2, lse2, delta2 = _dq_head(Q + stride_qh, DO + stride_doh, LSE + row + stat_stride, Delta + row + stat_stride,
+                                         offs_m,
                                          offs_d, mask_m, stride_qn, stride_qd, stride_don, stride_dod)
         dq2 = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # Key tiles as in the forward: full ones unmasked, then a wide or a narrow masked tail.
@@ -842,9 +860,16 @@ def _fwd_args(q, k, v, o, lse, slopes, geometry, wrap, use_table):
                       HEAD_PAIR=head_pair(q, slopes, use_table))
 
 
+def stat_stride(n):
+    """Row length of the backward's per-row statistics (lse copy, Δ): N rounded up to CODE_PAD, so every
+    query tile reads them without masks and the rows start aligned."""
+    return triton.cdiv(n, CODE_PAD) * CODE_PAD
+
+
 def _bwd_args(do, q, k, v, dq, dk, dv, lse, delta, dsl, slopes, geometry, wrap, use_table):
     """(dK/dV args, dQ args, constexpr keyword args, dQ's HEAD_PAIR) of the backward kernels; also used by
-    the SASS benchmark."""
+    the SASS benchmark. ``lse`` and ``delta`` are the padded (B, heads, stat_stride(N)) rows that
+    _bwd_preprocess_kernel writes."""
     bsz, heads, n, d = q.shape
     (h, w), (codes, tbl, bias_norm, pair_tbl) = geometry
     code_stride = codes.stride(0)
@@ -856,8 +881,9 @@ def _bwd_args(do, q, k, v, dq, dk, dv, lse, delta, dsl, slopes, geometry, wrap, 
         tbl = pair_tbl
     scaled = _scaled_table(tbl, slopes, table)
     slopes = _per_head(slopes, heads)
+    assert lse.shape[-1] == delta.shape[-1] == stat_stride(n)  # the padded rows of _bwd_preprocess_kernel
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), heads, n, n_bucket(n), h, w,
-               code_stride)
+               code_stride, stat_stride(n))
     scales = (sm_scale * LOG2E, sm_scale, LOG2E * bias_norm)
     dkdv = (q, k, v, do, dk, dv, dq, lse, delta, dsl, slopes, codes, scaled, tbl, *strides, tbl_stride, *scales,
             bias_norm)
@@ -887,7 +913,8 @@ def _launch_bwd(do, q, k, v, o, lse, slopes, h, w, prefix, wrap, normalize, use_
     bsz, heads, n, d = q.shape
     geometry = (h, w), device_bias_lookup(h, w, prefix, wrap, normalize, use_table, q.device, metric)
     _check_tile_offsets("grad_output", do)
-    delta = q.new_empty((bsz, heads, n), dtype=torch.float32)
+    # One allocation for the padded lse copy and Δ (see _bwd_preprocess_kernel).
+    lse_pad, delta = q.new_empty((2, bsz, heads, stat_stride(n)), dtype=torch.float32).unbind(0)
     dk, dv = _new_bnhd(q), _new_bnhd(q)
     dq = _new_bnhd(q) if need_dq else dk  # without dQ no kernel writes it (dk stands in for the pointer)
     assert dq.stride() == dk.stride() == dv.stride()  # the kernels share one set of gradient strides
@@ -900,15 +927,16 @@ def _launch_bwd(do, q, k, v, o, lse, slopes, h, w, prefix, wrap, normalize, use_
     def grid_k(meta):
         return (triton.cdiv(n, meta["BLOCK_N"]), heads, bsz)
 
-    dkdv_args, dq_args, kw, pair = _bwd_args(do, q, k, v, dq_acc, dk, dv, lse, delta, dsl, slopes, geometry, wrap,
-                                             use_table)
+    dkdv_args, dq_args, kw, pair = _bwd_args(do, q, k, v, dq_acc, dk, dv, lse_pad, delta, dsl, slopes, geometry,
+                                             wrap, use_table)
 
     def grid_q(meta):
         return (triton.cdiv(n, meta["BLOCK_M"]), heads // 2 if pair else heads, bsz)
 
     with _device_guard(q):
-        _bwd_preprocess_kernel[(triton.cdiv(n, _PREPROCESS_BLOCK_M), heads, bsz)](
-            o, do, delta, *_strides(o), *_strides(do), heads, n, HEAD_DIM=d, BLOCK_M=_PREPROCESS_BLOCK_M,
+        _bwd_preprocess_kernel[(stat_stride(n) // _PREPROCESS_BLOCK_M, heads, bsz)](
+            o, do, lse, lse_pad, delta, *_strides(o), *_strides(do), heads, n, stat_stride(n), HEAD_DIM=d,
+            BLOCK_M=_PREPROCESS_BLOCK_M,
             **_LAUNCH_OPTIONS)
         _dkdv_kernel[grid_k](*dkdv_args, **kw, COMPUTE_DSLOPE=need_dslopes, ATOMIC_DQ=atomic_dq, HAS_BIAS=_HAS_BIAS,
                              **_LAUNCH_OPTIONS)

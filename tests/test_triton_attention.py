@@ -322,6 +322,23 @@ def test_atomic_dq_matches_reference_without_the_dq_kernel(grid, prefix, dtype, 
     assert at.atomic_dq_enabled() == before
 
 
+@pytest.mark.skipif(CUDA, reason="swaps the interpreter's dK/dV tile config")
+@pytest.mark.parametrize("block_m", [32, 64])
+@pytest.mark.parametrize("head_dim,bias_mode,slope_kind", [(32, "table", "learned"), (64, "sqrt", "fixed")])
+def test_atomic_dq_both_layouts_match_reference(block_m, head_dim, bias_mode, slope_kind, monkeypatch):
+    """The atomic dQ adds dS·K as (K^T·dS)^T for query tiles under 64 rows (a wgmma needs 64) and as dS^T·K
+    otherwise: both layouts, with partial query and key tiles (N = 47), give the reference's gradients."""
+    from kernels import alibi_triton as at
+
+    cfg = at._cfg(block_m, 16, 4, 1)
+    monkeypatch.setattr(at, "_dkdv_kernel", triton.autotune(configs=[cfg], key=["N_BUCKET", "HEAD_DIM"])(
+        at._alibi_bwd_dkdv_kernel))
+    monkeypatch.setattr(at, "_dq_kernel", None)  # never launched with atomic dQ
+    with at.atomic_dq():
+        _run_and_compare((6, 7), 5, True, True, head_dim, bias_mode, slope_kind, torch.float32, bsz=1, heads=2,
+                         seed=53)
+
+
 def test_autocast_runs_in_the_autocast_dtype():
     """Like SDPA: fp32 inputs inside torch.autocast give a 16-bit output, fp32 gradients, the reference's values."""
     grid, prefix = (3, 4), 1
@@ -362,11 +379,13 @@ def test_gpu_default_tiles_under_the_interpreter(grid, prefix, dtype, learned):
     assert kw["HEAD_PAIR"] == (not learned)
     programs = heads // 2 if kw["HEAD_PAIR"] else heads
     at._alibi_fwd_kernel[(triton.cdiv(n, cfg["fwd"]["BLOCK_M"]), programs, 1)](*args, **kw, **cfg["fwd"])
-    delta, dsl = torch.empty(1, heads, n, device=DEVICE), torch.empty(1, heads, n, device=DEVICE)
+    dsl = torch.empty(1, heads, n, device=DEVICE)
+    lse_pad, delta = torch.empty(2, 1, heads, at.stat_stride(n), device=DEVICE).unbind(0)
     dq, dk, dv = (at._new_bnhd(q) for _ in range(3))
-    at._bwd_preprocess_kernel[(triton.cdiv(n, 16), heads, 1)](o, do, delta, *o.stride(), *do.stride(), heads, n,
-                                                              HEAD_DIM=d, BLOCK_M=16)
-    dkdv_args, dq_args, kw, pair = at._bwd_args(do, q, k, v, dq, dk, dv, lse, delta, dsl, slopes, geometry, True,
+    at._bwd_preprocess_kernel[(at.stat_stride(n) // 16, heads, 1)](o, do, lse, lse_pad, delta, *o.stride(),
+                                                                   *do.stride(), heads, n, at.stat_stride(n),
+                                                                   HEAD_DIM=d, BLOCK_M=16)
+    dkdv_args, dq_args, kw, pair = at._bwd_args(do, q, k, v, dq, dk, dv, lse_pad, delta, dsl, slopes, geometry, True,
                                                 True)
     at._alibi_bwd_dkdv_kernel[(triton.cdiv(n, cfg["dkdv"]["BLOCK_N"]), heads, 1)](
         *dkdv_args, **kw, COMPUTE_DSLOPE=learned, **cfg["dkdv"])
@@ -459,7 +478,8 @@ def test_gpu_autotuning_is_keyed_by_a_bucket_of_n():
     args, _ = at._fwd_args(q, k, v, at._new_bnhd(q), lse, slopes, geometry, True, True)
     named = dict(zip(at._alibi_fwd_kernel.arg_names, args))
     assert (named["N"], named["N_BUCKET"]) == (261, 512)
-    dkdv, dqa, _, _ = at._bwd_args(do, q, k, v, *(at._new_bnhd(q) for _ in range(3)), lse, lse, lse, slopes,
+    stats = torch.empty(1, 2, at.stat_stride(n))
+    dkdv, dqa, _, _ = at._bwd_args(do, q, k, v, *(at._new_bnhd(q) for _ in range(3)), stats, stats, lse, slopes,
                                    geometry, True, True)
     for fn, fn_args in ((at._alibi_bwd_dkdv_kernel, dkdv), (at._alibi_bwd_dq_kernel, dqa)):
         named = dict(zip(fn.arg_names, fn_args))
