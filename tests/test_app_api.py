@@ -214,6 +214,15 @@ def test_bad_input_gets_a_reason_and_the_server_goes_on(tmp_path, micrograph, st
     assert client.get("/api/state").status_code == 200  # still serving
 
 
+def test_requests_from_another_sites_page_are_refused(tmp_path, micrograph, start):
+    folder, _, _ = micrograph
+    _, _, client = start(folder)
+    forged = client.post("/api/classes", json={"name": "x"}, headers={"Origin": "http://evil.example"})
+    assert forged.status_code == 403 and "cross-origin" in forged.json()["detail"]
+    same = client.post("/api/classes", json={"name": "x"}, headers={"Origin": "http://testserver"})
+    assert same.status_code == 200 and [c["name"] for c in client.get("/api/state").json()["classes"]] == ["x"]
+
+
 def test_token_is_required_when_set(tmp_path, micrograph, start):
     folder, _, _ = micrograph
     _, _, client = start(folder, token="s3cret")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import secrets
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,6 +36,10 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
 
     @app.middleware("http")
     async def check_token(request: Request, call_next):
+        origin = request.headers.get("origin")
+        if origin and urlsplit(origin).netloc != request.headers.get("host"):
+            # Another site's page in the same browser (cross-site request forgery): the page itself is same-origin.
+            return JSONResponse({"detail": f"cross-origin request from {origin} refused"}, status_code=403)
         if token is not None:
             given = (request.query_params.get("token") or request.headers.get("x-token")
                      or request.cookies.get(TOKEN_COOKIE) or "")
