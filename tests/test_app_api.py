@@ -223,6 +223,19 @@ def test_requests_from_another_sites_page_are_refused(tmp_path, micrograph, star
     assert same.status_code == 200 and [c["name"] for c in client.get("/api/state").json()["classes"]] == ["x"]
 
 
+def test_a_tokenless_app_answers_only_its_own_host_names(tmp_path, micrograph):
+    folder, _, _ = micrograph
+    session = Session(tmp_path / "session", [folder], allowed_roots=[folder])
+    engine = Engine(session)
+    try:
+        app = create_app(session, engine, hosts={"127.0.0.1:8765", "localhost:8765"})
+        assert TestClient(app, base_url="http://127.0.0.1:8765").get("/api/state").status_code == 200
+        rebound = TestClient(app, base_url="http://attacker.example:8765").get("/api/state")
+        assert rebound.status_code == 403 and "attacker.example:8765" in rebound.json()["detail"]
+    finally:
+        engine.close()
+
+
 def test_token_is_required_when_set(tmp_path, micrograph, start):
     folder, _, _ = micrograph
     _, _, client = start(folder, token="s3cret")

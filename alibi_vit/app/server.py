@@ -28,14 +28,20 @@ STATIC = Path(__file__).parent / "static"
 TOKEN_COOKIE = "alibi_vit_token"
 
 
-def create_app(session: Session, engine: Engine, token: str | None = None, max_upload_mb: float = 1024):
+def create_app(session: Session, engine: Engine, token: str | None = None, max_upload_mb: float = 1024,
+               hosts=None):
     """The ASGI application. ``token``: when set, every request must carry it (query ``token``,
-    header ``X-Token`` or the cookie set when ``/`` is opened with it)."""
+    header ``X-Token`` or the cookie set when ``/`` is opened with it). ``hosts``: when set, the only
+    ``Host`` headers accepted (a tokenless app on 127.0.0.1 names its own addresses, so a web page
+    whose domain was re-pointed at 127.0.0.1, DNS rebinding, cannot reach it)."""
     app = FastAPI(title="alibi-vit app", docs_url=None, redoc_url=None, openapi_url=None)
     max_upload = int(max_upload_mb * (1 << 20))
 
     @app.middleware("http")
     async def check_token(request: Request, call_next):
+        if hosts is not None and request.headers.get("host") not in hosts:
+            return JSONResponse({"detail": f"host {request.headers.get('host')!r} refused: open the URL printed by "
+                                           "alibi-vit app"}, status_code=403)
         origin = request.headers.get("origin")
         if origin and urlsplit(origin).netloc != request.headers.get("host"):
             # Another site's page in the same browser (cross-site request forgery): the page itself is same-origin.

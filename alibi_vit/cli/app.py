@@ -85,9 +85,10 @@ def run(args) -> int:
     token = args.token or (None if args.host in LOCAL_HOSTS else secrets.token_urlsafe(24))
     engine = Engine(session, args.backbone, backbone_kwargs, cache_bytes=int(args.cache_gb * (1 << 30)),
                     out=args.out, device=args.device)
-    app = create_app(session, engine, token=token, max_upload_mb=args.max_upload_mb)
     sock = _listening_socket(args.host, args.port)
     port = sock.getsockname()[1]
+    hosts = None if token else {f"{h}:{port}" for h in ("127.0.0.1", "localhost", "[::1]")}
+    app = create_app(session, engine, token=token, max_upload_mb=args.max_upload_mb, hosts=hosts)
     shown = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
