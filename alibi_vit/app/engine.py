@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .session import Session, SessionError, png_bytes
+from .session import Session, SessionError, png_bytes, remember
 
 __all__ = ["Engine", "Job"]
 
@@ -134,26 +134,23 @@ class Engine:
 
     def scaled(self, image_id: str) -> np.ndarray:
         """The image as the features see it (float32 in [0, 1]), kept for a few images."""
-        if image_id not in self._scaled:
-            self._scaled[image_id] = self.segmenter().scale(self.session.read(image_id), self.session.entry(image_id).name)
-            while len(self._scaled) > KEEP_PREDICTIONS:
-                self._scaled.popitem(last=False)
-        return self._scaled[image_id]
+        if image_id in self._scaled:
+            return self._scaled[image_id]
+        x = self.segmenter().scale(self.session.read(image_id), self.session.entry(image_id).name)
+        return remember(self._scaled, image_id, x, KEEP_PREDICTIONS)
 
     def display_png(self, image_id: str) -> bytes:
         """8-bit PNG of the image for the page, scaled as the classifier sees it (the session's
         intensity range). Made on the request's thread: showing an image never waits for features."""
         from ..images import scale_to_range
 
-        if image_id not in self._display:
-            lo, hi = self.session.fix_intensity()
-            x = scale_to_range(self.session.read(image_id), lo, hi, source=self.session.entry(image_id).name,
-                               colour=self.session.colour == "channels")
-            self._display[image_id] = png_bytes((np.clip(x[..., :3] if x.ndim == 3 else x, 0, 1) * 255).round()
-                                                .astype(np.uint8))
-            while len(self._display) > KEEP_PREDICTIONS:
-                self._display.popitem(last=False)
-        return self._display[image_id]
+        if image_id in self._display:
+            return self._display[image_id]
+        lo, hi = self.session.fix_intensity()
+        x = scale_to_range(self.session.read(image_id), lo, hi, source=self.session.entry(image_id).name,
+                           colour=self.session.colour == "channels")
+        data = png_bytes((np.clip(x[..., :3] if x.ndim == 3 else x, 0, 1) * 255).round().astype(np.uint8))
+        return remember(self._display, image_id, data, KEEP_PREDICTIONS)
 
     def run(self, fn, *args):
         """Run ``fn(*args)`` on the worker thread and wait for it."""
@@ -169,7 +166,7 @@ class Engine:
             session.entry(image_id)
         ids = session.labelled_ids()
         labels = {i: session.label_image(i).copy() for i in ids}
-        present = sorted({int(v) for lab in labels.values() for v in np.unique(lab) if v})
+        present = sorted({int(v) for i in ids for v in session.counts(i)})  # counts kept per label version
         if len(present) < 2:
             names = [session.class_by_value(v)["name"] for v in present]
             have = f"only {names[0]!r} is labelled" if names else "nothing is labelled yet"
@@ -197,11 +194,7 @@ class Engine:
             seg = self.segmenter()
             (proba,) = seg.predict_proba([self.scaled(image_id)], scaled=True)
             cached = {"model": self.model["id"], "proba": proba, "mask": seg.mask_from_proba(proba)}
-            self.predictions[image_id] = cached
-            while len(self.predictions) > KEEP_PREDICTIONS:
-                self.predictions.popitem(last=False)
-        self.predictions.move_to_end(image_id)
-        return cached
+        return remember(self.predictions, image_id, cached, KEEP_PREDICTIONS)
 
     def prediction(self, image_id: str) -> dict:
         return self.run(self._predict, image_id)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["DEFAULT_COLOURS", "ImageEntry", "Session", "SessionError", "rasterise_stroke"]
+__all__ = ["DEFAULT_COLOURS", "ImageEntry", "Session", "SessionError", "rasterise_stroke", "remember"]
 
 FORMAT = 1
 MAX_CLASSES = 255  # label images are 8-bit
@@ -58,6 +58,15 @@ def _write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def remember(recent: OrderedDict, key, value, keep: int):
+    """Store ``value`` as the most recent entry of ``recent``, dropping the oldest beyond ``keep``; returns it."""
+    recent[key] = value
+    recent.move_to_end(key)
+    while len(recent) > keep:
+        recent.popitem(last=False)
+    return value
 
 
 def png_bytes(array: np.ndarray, mode: str | None = None, palette=None) -> bytes:
@@ -276,10 +285,7 @@ class Session:
         except (FileNotFoundError, ValueError) as err:
             raise SessionError(f"image {entry.name} cannot be read: {err}", status=409) from None
         with self.lock:
-            self._read[image_id] = pages[entry.page or 0]
-            while len(self._read) > KEEP_READ:
-                self._read.popitem(last=False)
-        return pages[entry.page or 0]
+            return remember(self._read, image_id, pages[entry.page or 0], KEEP_READ)
 
     # ---- classes --------------------------------------------------------------------------
     def _check_name(self, name, value=None) -> str:
