@@ -2,12 +2,20 @@
 
 The method: README.md "Method" §7.
 
-Images go in as arrays ((H, W) of any integer or float dtype, or RGB) and are scaled to [0, 1] by
-``intensity`` (by default black and white points fitted once on the training images and stored
-with the model); label images use the Weka/ilastik convention: 0 = unlabelled, 1..K = classes.
-Features are computed tile by tile (a core of ``tile`` px plus a margin covering the filters'
-reach), so the features of every pixel are exactly those of the whole image and memory stays
-bounded for any image size.
+Images go in as arrays ((H, W) of any integer or float dtype, or RGB) or as chunked images too
+large for memory (:class:`~alibi_vit.chunked.ChunkedImage`: TIFF/BigTIFF/OME-TIFF, zarr/OME-Zarr),
+and are scaled to [0, 1] by ``intensity`` (by default black and white points fitted once on the
+training images and stored with the model); label images use the Weka/ilastik convention:
+0 = unlabelled, 1..K = classes.
+
+The tiled engine: every image is cut into tiles (:class:`~alibi_vit.trainable.tiles.TileGrid`,
+cores of ``tile`` px) and each tile's features are computed on the core plus a halo of
+:func:`~alibi_vit.trainable.classical.halo` px (the filter bank's reach), so they equal the whole
+image's exactly; ViT features come from a fixed grid of backbone windows in image coordinates
+(:func:`~alibi_vit.trainable.vit.patch_map`), so they too equal the whole image's. Training reads
+and featurises only the tiles that hold labels; prediction runs tile by tile
+(:meth:`TrainableSegmenter.predict_tiles`, and :mod:`~alibi_vit.trainable.stream`, which writes
+results as it goes). Memory depends on the tile size and the number of features, not the image's size.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import importlib
 import json
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +34,12 @@ from .classical import (DEFAULT_SIGMAS, SIGMA_SCALE, classical_feature_names, cl
                         classical_features_torch, halo)
 from .classifier import CLASSIFIERS, balanced_weights, load_classifier, make_classifier
 from .crf import CRF_DEFAULTS, CRF_PRESETS, dense_crf_tiled
+from ..chunked import ChunkedImage, sample_tiles
 from ..images import INTENSITY_MODES, fit_intensity_range, scale_colour, scale_to_range
-from .io import as_grayscale, as_label_image, to_unit_float
+from .cache import FeatureCache
+from .io import as_grayscale, to_unit_float
+from .sources import ArraySource, ChunkedSource, chunked_range, label_region, labels_shape
+from .tiles import Tile, TileGrid
 
 __all__ = ["INTENSITY", "TrainableSegmenter", "modal_filter", "resolve_feature_fn", "sample_quotas"]
 
@@ -40,29 +53,12 @@ COLOUR = ("channels", "grey")
 DEFAULT_CRF_PRESET = "paper"
 CRF_OVERLAP = 128  # px of context on each side of a CRF tile
 CHANNEL_NAMES = ("r", "g", "b")
-PATCH_ALIGN = 14  # tiles start on multiples of the patch size so ViT grids line up
+PATCH_ALIGN = 14  # tile sizes are multiples of DINOv2's patch, so a tile's patch range is whole patches
+VIT_WINDOW_BYTES = 256 << 20  # without a cache: backbone windows kept for the neighbouring tiles of one call
 
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-def _upsample_region(z: np.ndarray, p: int, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
-    """Pixels [r0, r1) × [c0, c1) of the bilinear ×p upsampling of the (C, gh, gw) map ``z``.
-
-    With an integer scale and align_corners=False, upsampling a crop of the grid with one patch of
-    margin gives exactly the whole map's upsampling inside the crop, so regions need not hold the
-    whole image's upsampled features in memory.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    gh, gw = z.shape[1:]
-    a0, b0 = max(r0 // p - 1, 0), max(c0 // p - 1, 0)
-    a1, b1 = min(-(-r1 // p) + 1, gh), min(-(-c1 // p) + 1, gw)
-    crop = torch.from_numpy(np.ascontiguousarray(z[:, a0:a1, b0:b1]))[None]
-    up = F.interpolate(crop, size=((a1 - a0) * p, (b1 - b0) * p), mode="bilinear", align_corners=False)[0]
-    return up[:, r0 - a0 * p:r1 - a0 * p, c0 - b0 * p:c1 - b0 * p].numpy()
 
 
 def sample_quotas(counts, cap: int) -> np.ndarray:
@@ -115,6 +111,10 @@ def modal_filter(mask: np.ndarray, size: int) -> np.ndarray:
         better = count > best_count + 1e-4 / (size * size)  # counts are multiples of 1/size²: beat by a pixel
         best[better], best_count[better] = v, count[better]
     return best
+
+
+def _is_colour(image) -> bool:
+    return image.channels > 1 if isinstance(image, ChunkedImage) else np.ndim(image) == 3
 
 
 def _as_list(items, what: str) -> list:
@@ -173,8 +173,9 @@ class TrainableSegmenter:
         one (the app fits it once on all of a session's images, so features computed when an image is
         opened stay valid whatever is labelled later). Saved like a fitted one.
     cache: a :class:`~alibi_vit.trainable.cache.FeatureCache` that keeps the classical features of
-        each tile and the ViT patch features of each image between calls (interactive retraining);
-        entries are keyed by the scaled pixels, so results are exactly those without it. Runtime only.
+        each tile and the backbone's window features between calls (interactive retraining); entries
+        are keyed by the image (its scaled pixels' digest, or a chunked file's identity and scaling),
+        the tile and the settings, so results are exactly those without it. Runtime only.
     """
 
     def __init__(self, backbone=None, classifier: str = "xgboost", crf: bool | str = False, *, checkpoint=None,
@@ -250,7 +251,9 @@ class TrainableSegmenter:
                 raise ValueError(f"backbone must be None, a model name or an nn.Module, got {type(backbone).__name__}")
             self.vit = ViTFeatures(model, self.n_components, tile=self.vit_tile, overlap=self.vit_overlap,
                                    device=self.device)
-        self.halo = _round_up(max(halo(self.sigmas, self.sigma_scale), 2 * PATCH_ALIGN), PATCH_ALIGN)
+        self.halo = halo(self.sigmas, self.sigma_scale)  # the filters' reach: tiles equal the whole image
+        self.intensity_note = None  # how the training range was sampled, when chunked images were
+        self._scratch = self._scratch_user = None  # state of one call (_call)
         self.classes_ = None
         self.model_ = None
 
@@ -268,11 +271,21 @@ class TrainableSegmenter:
         return names + [f"user_{i}" for i in range(self.n_user_features or 0)]
 
     def check_channels(self, image, source: str = "image"):
-        """A clear ValueError when a colour model gets a grayscale image or the reverse."""
-        image = as_grayscale(image, source)
+        """A clear ValueError when a colour model gets a grayscale image or the reverse (an array or
+        a :class:`~alibi_vit.chunked.ChunkedImage`, whose planes and channels are checked too)."""
+        if isinstance(image, ChunkedImage):
+            if image.planes != 1:
+                raise ValueError(f"{source} holds {image.planes} planes (axes {image.axes}): the tiled engine segments "
+                                 "2D images; store one plane per image")
+            if image.channels not in (1, 3, 4):
+                raise ValueError(f"{source} has {image.channels} channels (axes {image.axes}): expected 1 (grey) or "
+                                 "3/4 (RGB(A))")
+            colour = image.channels > 1
+        else:
+            image = as_grayscale(image, source)
+            colour = image.ndim == 3
         if self.colour != "channels" or self.channels_ is None:
             return image
-        colour = image.ndim == 3
         if colour and self.channels_ == 1:
             raise ValueError(f"{source} is a colour image but the model was trained on grayscale images: convert it "
                              "to grayscale, or train on colour images (or with colour='grey' / --colour grey)")
@@ -281,6 +294,18 @@ class TrainableSegmenter:
                              "channel: give colour images, or train on grayscale (or with colour='grey' / --colour grey)")
         return image
 
+    def _warn_dtype(self, dtype, source: str) -> None:
+        if self.intensity_dtype and dtype.name != self.intensity_dtype and not self._dtype_warned:
+            self._dtype_warned = True
+            warnings.warn(f"{source} is {dtype.name} but the model was trained on {self.intensity_dtype} "
+                          f"images: its stored intensity range {self.intensity_range} is in {self.intensity_dtype} "
+                          "values; convert the images or retrain", stacklevel=3)
+
+    def _training_range(self):
+        if self.intensity_range is None:
+            raise ValueError('intensity="training" is fitted by fit(): call fit() or load() first')
+        return self.intensity_range
+
     def scale(self, image, source: str = "image") -> np.ndarray:
         """One image as the float32 in [0, 1] the features are computed on (the model's intensity):
         (H, W), or (H, W, 3) for a colour image with ``colour="channels"``."""
@@ -288,83 +313,85 @@ class TrainableSegmenter:
         keep = self.colour == "channels"
         if self.intensity != "training":
             return scale_colour(image, self.intensity, source) if keep else to_unit_float(image, self.intensity, source)
-        if self.intensity_range is None:
-            raise ValueError('intensity="training" is fitted by fit(): call fit() or load() first')
-        if self.intensity_dtype and image.dtype.name != self.intensity_dtype and not self._dtype_warned:
-            self._dtype_warned = True
-            warnings.warn(f"{source} is {image.dtype.name} but the model was trained on {self.intensity_dtype} "
-                          f"images: its stored intensity range {self.intensity_range} is in {self.intensity_dtype} "
-                          "values; convert the images or retrain", stacklevel=2)
-        return scale_to_range(image, *self.intensity_range, source=source, colour=keep)
+        lo, hi = self._training_range()
+        self._warn_dtype(image.dtype, source)
+        return scale_to_range(image, lo, hi, source=source, colour=keep)
 
-    def _prepare(self, images, source="image", fit: bool = False):
+    def source(self, image, name: str = "image"):
+        """What the tiled engine reads for one image: an :class:`~alibi_vit.trainable.sources.ArraySource`
+        (an array, scaled whole) or a :class:`~alibi_vit.trainable.sources.ChunkedSource` (a
+        :class:`~alibi_vit.chunked.ChunkedImage`, scaled region by region). A source passes through."""
+        if isinstance(image, (ArraySource, ChunkedSource)):
+            return image
+        if not isinstance(image, ChunkedImage):
+            return ArraySource(self.scale(image, name), name)
+        self.check_channels(image, name)
+        keep = self.colour == "channels" and image.channels > 1
+        if self.intensity == "training":
+            lo, hi = self._training_range()
+            self._warn_dtype(image.dtype, name)
+            return ChunkedSource(image, lo, hi, keep)
+        lo, hi, note = chunked_range(image, self.intensity, keep, self.seed)
+        src = ChunkedSource(image, lo, hi, keep)
+        src.note = note
+        return src
+
+    def _prepare(self, images, source="image", fit: bool = False) -> list:
         images = _as_list(images, "images")
         if fit:
-            images = [as_grayscale(im, f"{source} {i}") for i, im in enumerate(images)]
+            for i, im in enumerate(images):
+                if isinstance(im, ChunkedImage):
+                    self.check_channels(im, im.name)
+                else:
+                    images[i] = as_grayscale(im, f"{source} {i}")
             self.channels_ = None
             if self.colour == "channels":
-                kinds = {im.ndim for im in images}
+                kinds = {_is_colour(im) for im in images}
                 if len(kinds) > 1:
                     raise ValueError("the training images mix colour and grayscale: give one kind, or convert "
                                      "colour to grey with colour='grey' (--colour grey)")
-                self.channels_ = 3 if kinds == {3} else 1
+                self.channels_ = 3 if kinds == {True} else 1
             else:
                 self.channels_ = 1
-            dtypes = {im.dtype.name for im in images}
+            dtypes = {np.dtype(im.dtype).name for im in images}
             self.intensity_dtype = dtypes.pop() if len(dtypes) == 1 and self.intensity == "training" else None
             if self.intensity == "training" and self.fixed_intensity_range is None:
-                self.intensity_range = fit_intensity_range(images, seed=self.seed, colour=self.colour == "channels")
-        return [self.scale(im, f"{source} {i}") for i, im in enumerate(images)]
+                self.intensity_range, self.intensity_note = self._fit_range(images)
+        return [self.source(im, im.name if isinstance(im, ChunkedImage) else f"{source} {i}")
+                for i, im in enumerate(images)]
 
-    def _vit_map(self, image01, patch_feats=None):
-        """(ViT map or None, user features (H, W, F) or None) of one scaled image."""
-        user = None
-        if self._feature_fn is not None:
-            u = np.asarray(self._feature_fn(image01), np.float32)
-            if u.ndim == 2:
-                u = u[..., None]
-            if u.ndim != 3 or u.shape[:2] != image01.shape[:2]:
-                raise ValueError(f"feature_fn {self.feature_fn} returned shape {u.shape}; expected (H, W, F) with "
-                                 f"(H, W) = {image01.shape[:2]}")
-            if self.n_user_features is not None and u.shape[-1] != self.n_user_features:
-                raise ValueError(f"feature_fn {self.feature_fn} returned {u.shape[-1]} features; the model was "
-                                 f"trained with {self.n_user_features}")
-            user = u
-        if self.vit is None:
-            return None, user
-        if patch_feats is None:
-            patch_feats = self._patch_features(image01)
-        return self.vit.project(patch_feats), user
+    def _fit_range(self, images):
+        """The training range: pooled percentiles of the images' grey values; a chunked image gives a
+        seeded sample of its tiles (all of them when it is small). Returns (range, what was sampled)."""
+        pooled, notes = [], []
+        for im in images:
+            if isinstance(im, ChunkedImage):
+                pixels, n, total = sample_tiles(im, seed=self.seed)
+                pooled.append(pixels)
+                if n < total:
+                    notes.append(f"{n} of {total} tiles of {im.name}")
+            else:
+                pooled.append(im)
+        note = ("intensity range fitted on a seeded sample of tiles: " + "; ".join(notes)) if notes else None
+        return fit_intensity_range(pooled, seed=self.seed, colour=self.colour == "channels"), note
 
-    def _patch_features(self, image01) -> np.ndarray:
-        """The backbone's raw patch features of one scaled image, through the cache when there is one."""
-        if self.cache is None:
-            return self.vit.patch_features(image01)
-        from .cache import array_digest
+    def _grid(self, src) -> TileGrid:
+        return TileGrid(src.shape, self.tile, self.halo)
 
-        model = self.backbone_spec if "name" in self.backbone_spec else id(self.vit.model)
-        key = array_digest(image01, "vit", json.dumps(model, sort_keys=True, default=str), self.seed,
-                           self.vit_tile, self.vit_overlap)
-        return self.cache.get(key, lambda: self.vit.patch_features(image01))
+    def _cached(self, key: str, compute):
+        cache = self.cache if self.cache is not None else self._scratch
+        return compute() if cache is None else cache.get(key, compute)
 
-    def _regions(self, shape):
-        h, w = shape
-        for r0 in range(0, h, self.tile):
-            for c0 in range(0, w, self.tile):
-                yield r0, min(r0 + self.tile, h), c0, min(c0 + self.tile, w)
+    def _classical_tile(self, src, tile: Tile) -> np.ndarray:
+        """(h, w, F) classical features of a tile's core, computed on it plus its halo (through the
+        cache when there is one, keyed by the image, the tile and the filter settings).
 
-    def _classical_region(self, image01, r0, r1, c0, c1) -> np.ndarray:
-        """(r1-r0, c1-c0, F) classical features of a core region, computed on it plus its halo
-        (through the cache when there is one: the key is the halo'd crop and the core's place in it).
-
-        Pixel-major and contiguous, so a region's rows go to the classifier without a transpose (for
-        a 1024² region that copy cost more than the prediction itself)."""
-        h, w = image01.shape[:2]
-        g = self.halo
-        R0, R1, C0, C1 = max(r0 - g, 0), min(r1 + g, h), max(c0 - g, 0), min(c1 + g, w)
-        crop = image01[R0:R1, C0:C1]
+        Pixel-major and contiguous, so a tile's rows go to the classifier without a transpose (for a
+        1024² tile that copy cost more than the prediction itself)."""
+        inner = tile.inner
 
         def compute():
+            crop = src.read(*tile.outer)
             channels = [crop] if crop.ndim == 2 else [crop[..., c] for c in range(crop.shape[-1])]
             if self.classical_torch:
                 device = self.device if str(self.device).startswith("cuda") else "cpu"
@@ -373,168 +400,282 @@ class TrainableSegmenter:
             else:
                 feats = [classical_features_chw(ch, self.sigmas, sigma_scale=self.sigma_scale, intensity=None)
                          for ch in channels]
-            core = (np.concatenate(feats) if len(feats) > 1 else feats[0])[:, r0 - R0:r1 - R0, c0 - C0:c1 - C0]
+            core = (np.concatenate(feats) if len(feats) > 1 else feats[0])[(slice(None),) + inner]
             return np.ascontiguousarray(np.moveaxis(core, 0, -1))
 
-        if self.cache is None:
+        if self.cache is None:  # the scratch cache holds ViT windows only: a tile's features are used once
             return compute()
-        from .cache import array_digest
-
-        key = array_digest(crop, "classical", self.sigmas, self.sigma_scale, self.classical_torch,
-                           r0 - R0, r1 - R0, c0 - C0, c1 - C0)
+        bounds = [(s.start, s.stop) for s in tile.outer + tile.core]
+        key = f"classical|{src.key}|{self.sigmas}|{self.sigma_scale}|{self.classical_torch}|{bounds}"
         return self.cache.get(key, compute)
 
-    def _region_features(self, image01, maps, r0, r1, c0, c1) -> np.ndarray:
-        """(r1-r0, c1-c0, F) features of a core region: classical, then ViT, then the user's."""
-        feats = [self._classical_region(image01, r0, r1, c0, c1)]
-        vit_map, user = maps
-        if vit_map is not None:
-            p = int(self.vit.model.patch_embed.patch_size[0])
-            feats.append(np.moveaxis(_upsample_region(vit_map, p, r0, r1, c0, c1), 0, -1))
-        if user is not None:
-            feats.append(user[r0:r1, c0:c1])
+    def _patch_map(self, src, rows: slice, cols: slice) -> np.ndarray:
+        """(C, rows, cols) raw backbone patch features of a patch range (the windows through the cache)."""
+        model = self.backbone_spec if "name" in self.backbone_spec else id(self.vit.model)
+        prefix = f"vit|{src.key}|{json.dumps(model, sort_keys=True, default=str)}|{self.seed}|{self.vit_tile}|" \
+                 f"{self.vit_overlap}"
+        from .vit import patch_map
+
+        return patch_map(self.vit.model, src.read, src.shape, rows, cols, tile=self.vit_tile,
+                         overlap=self.vit_overlap, device=self.device,
+                         window=lambda y0, x0, compute: self._cached(f"{prefix}|{y0},{x0}", compute))
+
+    def _patch_size(self) -> int:
+        return int(self.vit.model.patch_embed.patch_size[0])
+
+    def _vit_tile(self, src, tile: Tile) -> np.ndarray:
+        """(h, w, n_components) ViT features of a tile's core: projected patch features of the core
+        plus one patch (the bilinear upsampling's reach), upsampled."""
+        p = self._patch_size()
+        (r0, r1), (c0, c1) = ((s.start, s.stop) for s in tile.core)
+        gh, gw = -(-src.shape[0] // p), -(-src.shape[1] // p)
+        a0, b0 = max(r0 // p - 1, 0), max(c0 // p - 1, 0)
+        a1, b1 = min(-(-r1 // p) + 1, gh), min(-(-c1 // p) + 1, gw)
+        from .vit import upsample_patches
+
+        z = self.vit.project(self._patch_map(src, slice(a0, a1), slice(b0, b1)))
+        return np.moveaxis(upsample_patches(z, p, (a0, b0), *tile.core), 0, -1)
+
+    def _user_tile(self, src, tile: Tile) -> np.ndarray:
+        """(h, w, F) features of the user's function: on the whole image when it is in memory, else on
+        the tile plus its halo (so it must not look further than the halo to equal the whole image's)."""
+        if isinstance(src, ArraySource):
+            whole = self._scratch_user.get(id(src))
+            if whole is None:
+                whole = self._scratch_user[id(src)] = self._user_features(src.pixels)
+            return whole[tile.core]
+        return self._user_features(src.read(*tile.outer))[tile.inner]
+
+    def _user_features(self, image01) -> np.ndarray:
+        u = np.asarray(self._feature_fn(image01), np.float32)
+        if u.ndim == 2:
+            u = u[..., None]
+        if u.ndim != 3 or u.shape[:2] != image01.shape[:2]:
+            raise ValueError(f"feature_fn {self.feature_fn} returned shape {u.shape}; expected (H, W, F) with "
+                             f"(H, W) = {image01.shape[:2]}")
+        if self.n_user_features is not None and u.shape[-1] != self.n_user_features:
+            raise ValueError(f"feature_fn {self.feature_fn} returned {u.shape[-1]} features; the model was "
+                             f"trained with {self.n_user_features}")
+        return u
+
+    def _tile_features(self, src, tile: Tile) -> np.ndarray:
+        """(h, w, F) features of a tile's core: classical, then ViT, then the user's."""
+        feats = [self._classical_tile(src, tile)]
+        if self.vit is not None:
+            feats.append(self._vit_tile(src, tile))
+        if self._feature_fn is not None:
+            feats.append(self._user_tile(src, tile))
         return np.concatenate(feats, axis=-1) if len(feats) > 1 else feats[0]
+
+    @contextmanager
+    def _call(self):
+        """Scratch state of one fit/predict call: without a cache, a small one for ViT windows
+        (neighbouring tiles share them); user features of in-memory images."""
+        outer = self._scratch_user is None
+        if outer:
+            self._scratch_user = {}
+            self._scratch = FeatureCache(VIT_WINDOW_BYTES) if self.cache is None and self.vit is not None else None
+        try:
+            yield
+        finally:
+            if outer:
+                self._scratch_user, self._scratch = None, None
 
     def features(self, image) -> np.ndarray:
         """(H, W, F) per-pixel features of one image as the classifier sees them (whole image in memory)."""
         if self.vit is not None and self.vit.components_ is None:
             raise ValueError("the ViT PCA is fitted by fit(): call fit() before features() with a backbone")
-        (x,) = self._prepare([image])
-        vit_map = self._vit_map(x)
-        n_user = 0 if vit_map[1] is None else vit_map[1].shape[-1]
-        n = len(self._feature_names(1 if x.ndim == 2 else x.shape[-1])) - (self.n_user_features or 0) + n_user
-        out = np.empty(x.shape[:2] + (n,), np.float32)
-        for r0, r1, c0, c1 in self._regions(x.shape[:2]):
-            out[r0:r1, c0:c1] = self._region_features(x, vit_map, r0, r1, c0, c1)
+        with self._call():
+            (src,) = self._prepare([image])
+            grid = self._grid(src)
+            out = None
+            for tile in grid:
+                feats = self._tile_features(src, tile)
+                if out is None:
+                    out = np.empty(src.shape + feats.shape[-1:], np.float32)
+                out[tile.core] = feats
         return out
 
-    def precompute(self, image, on_progress=None) -> np.ndarray:
+    def precompute(self, image, on_progress=None, first=None):
         """Fill the cache with one image's features (the classical features of every tile, and the
-        backbone's patch features), so later fit()/predict() calls on it skip that work. Returns the
-        scaled image. ``on_progress(done, total)`` is called after each step."""
+        backbone's patch features), so later fit()/predict() calls on it skip that work: the tiles
+        overlapping ``first`` (a region (rows, cols), e.g. what is on screen) before the others.
+        Returns the scaled image (an array) or its source (a chunked image).
+        ``on_progress(done, total)`` is called after each tile."""
         if self.cache is None:
             raise ValueError("precompute() fills the feature cache: create the segmenter with cache=FeatureCache()")
-        (x,) = self._prepare([image])
-        regions = list(self._regions(x.shape[:2]))
-        total = len(regions) + (self.vit is not None)
-        if self.vit is not None:
-            self._patch_features(x)
-            if on_progress:
-                on_progress(1, total)
-        for i, (r0, r1, c0, c1) in enumerate(regions):
-            self._classical_region(x, r0, r1, c0, c1)
-            if on_progress:
-                on_progress(i + 1 + (self.vit is not None), total)
-        return x
+        with self._call():
+            (src,) = self._prepare([image])
+            tiles = self._grid(src).ordered(first)
+            p = self._patch_size() if self.vit is not None else None
+            for i, tile in enumerate(tiles):
+                if p is not None:  # the windows of the core's patches; PCA may not be fitted yet
+                    self._patch_map(src, *(slice(s.start // p, -(-s.stop // p)) for s in tile.core))
+                self._classical_tile(src, tile)
+                if on_progress:
+                    on_progress(i + 1, len(tiles))
+        return src.pixels if isinstance(src, ArraySource) else src
 
     # ---- training -------------------------------------------------------------------------
     def fit(self, images, labels) -> "TrainableSegmenter":
-        """Train on the labelled pixels of ``images``.
+        """Train on the labelled pixels of ``images``; only the tiles that hold labels are read and featurised.
 
-        images: a list of images, or one (H, W) or (H, W, 3) array; a 3D stack is an error.
-        labels: one label image per image, same size, 0 = unlabelled, 1..K = classes. The classes are the label values found in all label
-        images together (a class may appear in one image only); at least two are needed. Images
-        without any labelled pixel add no training pixel (but still shape the ViT PCA and the
-        fitted intensity range). Returns self.
+        images: a list of images (arrays, or :class:`~alibi_vit.chunked.ChunkedImage` for images too
+            large for memory), or one (H, W) or (H, W, 3) array; a 3D stack is an error.
+        labels: one label image per image (an array or a chunked image), same size, 0 = unlabelled,
+            1..K = classes. The classes are the label values found in all label images together (a
+            class may appear in one image only); at least two are needed. Images without any labelled
+            pixel add no training pixel (in-memory ones still shape the ViT PCA, and all of them the
+            fitted intensity range). Returns self.
         """
-        xs = self._prepare(images, fit=True)
         labels = _as_list(labels, "labels")
-        if len(labels) != len(xs):
-            raise ValueError(f"got {len(xs)} images but {len(labels)} label images")
-        ys = [as_label_image(lab, x.shape[:2], source=f"labels {i}") for i, (lab, x) in enumerate(zip(labels, xs))]
-        classes = np.unique(np.concatenate([np.unique(y) for y in ys]))
-        classes = classes[classes > 0]
-        if len(classes) == 0:
-            raise ValueError("the label images have no labelled pixel (all 0): draw at least one scribble per class")
-        if len(classes) < 2:
-            raise ValueError(f"only class {classes[0]} is labelled: at least two classes are needed")
-        if not np.array_equal(classes, np.arange(1, len(classes) + 1)):
-            warnings.warn(f"label values {', '.join(str(int(c)) for c in classes)} are not 1..{len(classes)}: each "
-                          "value is a class, and masks are written with these same values", stacklevel=2)
-        self.classes_ = classes
-        self.n_user_features = None
-        if self._feature_fn is not None:  # its feature count, from the first training image
-            u = np.asarray(self._feature_fn(xs[0]))
-            self.n_user_features = 1 if u.ndim == 2 else int(u.shape[-1])
-        picks = self._sample(ys, classes)
-        patch_feats = None
-        if self.vit is not None:
-            patch_feats = [self._patch_features(x) for x in tqdm(xs, desc="ViT features", disable=not self.progress)]
-            self.vit.fit_patch_matrix(np.concatenate([f.reshape(f.shape[0], -1).T for f in patch_feats]))
-        n = sum(int(p.sum()) for p in picks)
-        X, Y = np.empty((n, len(self.feature_names)), self.feature_dtype), np.empty(n, np.int64)
-        row = 0
-        for i, (x, y) in enumerate(tqdm(list(zip(xs, ys)), desc="features", disable=not self.progress)):
-            if not picks[i].any():
-                continue
-            vit_map = self._vit_map(x, patch_feats[i] if patch_feats is not None else None)
-            for r0, r1, c0, c1 in self._regions(x.shape[:2]):
-                sel = picks[i][r0:r1, c0:c1]
-                m = int(sel.sum())
-                if not m:
-                    continue
-                feats = self._region_features(x, vit_map, r0, r1, c0, c1)
-                X[row:row + m] = feats[sel]
-                Y[row:row + m] = np.searchsorted(classes, y[r0:r1, c0:c1][sel])
-                row += m
+        with self._call():
+            sources = self._prepare(images, fit=True)
+            if len(labels) != len(sources):
+                raise ValueError(f"got {len(sources)} images but {len(labels)} label images")
+            for i, (src, lab) in enumerate(zip(sources, labels)):
+                shape = labels_shape(lab)
+                if shape != tuple(src.shape):
+                    raise ValueError(f"labels {i} is {shape[0]}×{shape[1]} px but its image is "
+                                     f"{src.shape[0]}×{src.shape[1]} px")
+            labelled = self._labelled_tiles(sources, labels)
+            totals: dict[int, int] = {}
+            for *_, counts in labelled:
+                for value, n in counts.items():
+                    totals[value] = totals.get(value, 0) + n
+            classes = np.array(sorted(totals), np.int64)
+            if len(classes) == 0:
+                raise ValueError("the label images have no labelled pixel (all 0): draw at least one scribble per "
+                                 "class")
+            if len(classes) < 2:
+                raise ValueError(f"only class {classes[0]} is labelled: at least two classes are needed")
+            if not np.array_equal(classes, np.arange(1, len(classes) + 1)):
+                warnings.warn(f"label values {', '.join(str(int(c)) for c in classes)} are not 1..{len(classes)}: "
+                              "each value is a class, and masks are written with these same values", stacklevel=2)
+            self.classes_ = classes
+            self.n_user_features = None
+            if self.vit is not None:
+                self._fit_pca(sources, labelled)
+            X, Y = self._gather(sources, labels, labelled, classes, totals)
         self.model_ = make_classifier(self.classifier_kind, seed=self.seed, **self.classifier_params)
         self.model_.fit(X, Y, sample_weight=balanced_weights(Y))
         return self
 
-    def _sample(self, ys, classes) -> list[np.ndarray]:
-        """Per label image a boolean mask of the labelled pixels that train the classifier: all of
-        them when they number at most ``max_samples``, else per class a seeded uniform random subset
-        of the size :func:`sample_quotas` gives. Only masks are held: features are computed afterwards
-        for the picked pixels alone, tile by tile, into one array of at most ``max_samples`` rows."""
-        counts = np.array([sum(int((y == c).sum()) for y in ys) for c in classes], np.int64)
-        if counts.sum() <= self.max_samples:
-            return [y > 0 for y in ys]
-        quotas = sample_quotas(counts, self.max_samples)
-        rng = np.random.default_rng(self.seed)
-        picks = [np.zeros(y.shape, bool) for y in ys]
-        for c, n_c, q in zip(classes, counts, quotas):
-            chosen = np.zeros(n_c, bool)  # over the class's pixels in image order, then raster order
-            chosen[rng.choice(n_c, q, replace=False)] = True
-            start = 0
-            for y, pick in zip(ys, picks):
-                where = np.flatnonzero(y == c)
-                pick.flat[where[chosen[start:start + len(where)]]] = True
-                start += len(where)
-        return picks
+    def _labelled_tiles(self, sources, labels) -> list:
+        """(image index, tile, {class value: labelled pixels}) of every tile that holds a label, in
+        image then row-major tile order (reading the label images tile by tile)."""
+        found = []
+        for i, (src, lab) in enumerate(zip(sources, labels)):
+            for tile in tqdm(list(self._grid(src)), desc="labels", disable=not self.progress, leave=False):
+                y = label_region(lab, *tile.core, source=f"labels {i}")
+                values, counts = np.unique(y[y > 0], return_counts=True)
+                if len(values):
+                    found.append((i, tile, dict(zip(values.tolist(), counts.tolist()))))
+        return found
+
+    def _fit_pca(self, sources, labelled) -> None:
+        """Standardisation and PCA of the backbone's patch features: every patch of the in-memory
+        training images, and the patches of the labelled tiles of chunked ones."""
+        p = self._patch_size()
+        maps = []
+        for i, src in enumerate(tqdm(sources, desc="ViT features", disable=not self.progress)):
+            if isinstance(src, ArraySource):
+                gh, gw = -(-src.shape[0] // p), -(-src.shape[1] // p)
+                maps.append(self._patch_map(src, slice(0, gh), slice(0, gw)))
+                continue
+            for j, tile, _ in labelled:
+                if j == i:
+                    maps.append(self._patch_map(src, *(slice(s.start // p, -(-s.stop // p)) for s in tile.core)))
+        self.vit.fit_patch_matrix(np.concatenate([m.reshape(m.shape[0], -1).T for m in maps]))
+
+    def _gather(self, sources, labels, labelled, classes, totals):
+        """(X, Y): features and class indices of the training pixels, tile by tile. All labelled pixels
+        when they number at most ``max_samples``; else per class a seeded uniform random subset of the
+        size :func:`sample_quotas` gives, drawn over the class's pixels in tile order before any
+        feature is computed, so X never holds more than ``max_samples`` rows."""
+        counts = np.array([totals[c] for c in classes], np.int64)
+        chosen = None
+        if counts.sum() > self.max_samples:
+            rng = np.random.default_rng(self.seed)
+            chosen = [np.sort(rng.choice(n, q, replace=False)) for n, q in zip(counts, sample_quotas(counts,
+                                                                                                      self.max_samples))]
+        seen = np.zeros(len(classes), np.int64)  # pixels of each class in the tiles before this one
+        X = Y = None
+        row = 0
+        for i, tile, tile_counts in tqdm(labelled, desc="features", disable=not self.progress):
+            y = label_region(labels[i], *tile.core, source=f"labels {i}")
+            n_c = np.array([tile_counts.get(c, 0) for c in classes.tolist()], np.int64)
+            if chosen is None:
+                sel = y > 0
+            else:
+                sel = np.zeros(y.shape, bool)
+                for k, c in enumerate(classes):
+                    lo, hi = np.searchsorted(chosen[k], [seen[k], seen[k] + n_c[k]])
+                    sel.flat[np.flatnonzero(y == c)[chosen[k][lo:hi] - seen[k]]] = True
+            seen += n_c
+            m = int(sel.sum())
+            if not m:
+                continue
+            feats = self._tile_features(sources[i], tile)
+            if X is None:  # sized once the first tile shows the user function's feature count
+                if self._feature_fn is not None:
+                    self.n_user_features = feats.shape[-1] - len(self.feature_names)
+                n = int(min(counts.sum(), self.max_samples))
+                X, Y = np.empty((n, feats.shape[-1]), self.feature_dtype), np.empty(n, np.int64)
+            X[row:row + m] = feats[sel]
+            Y[row:row + m] = np.searchsorted(classes, y[sel])
+            row += m
+        return X[:row], Y[:row]
 
     # ---- prediction -----------------------------------------------------------------------
     def _check_fitted(self):
         if self.model_ is None:
             raise ValueError("the segmenter is not trained: call fit() or load() first")
 
-    def _proba_one(self, x: np.ndarray) -> np.ndarray:
-        vit_map = self._vit_map(x)
-        k = len(self.classes_)
-        out = np.empty(x.shape[:2] + (k,), np.float32)
-        for r0, r1, c0, c1 in self._regions(x.shape[:2]):
-            feats = self._region_features(x, vit_map, r0, r1, c0, c1)
-            # Pixel-major features reshape to C-contiguous rows without a copy (XGBoost would copy others).
-            rows = np.ascontiguousarray(feats.reshape(-1, feats.shape[-1]), dtype=self.feature_dtype)
-            out[r0:r1, c0:c1] = self.model_.predict_proba(rows).reshape(r1 - r0, c1 - c0, k)
+    def tile_proba(self, src, tile: Tile) -> np.ndarray:
+        """(h, w, K) float32 class probabilities of one tile's core, straight from the classifier
+        (no CRF, no modal filter: those look past the tile; :mod:`~alibi_vit.trainable.stream`)."""
+        feats = self._tile_features(src, tile)
+        # Pixel-major features reshape to C-contiguous rows without a copy (XGBoost would copy others).
+        rows = np.ascontiguousarray(feats.reshape(-1, feats.shape[-1]), dtype=self.feature_dtype)
+        return self.model_.predict_proba(rows).reshape(tile.shape + (len(self.classes_),)).astype(np.float32,
+                                                                                                  copy=False)
+
+    def predict_tiles(self, image, first=None):
+        """Class probabilities tile by tile, as they are computed: yields (core (rows, cols) slices,
+        (h, w, K) probabilities), the tiles overlapping ``first`` (a region (rows, cols), e.g. what is
+        on screen) before the others. Nothing is held beyond the tile in hand (and the cache). Raw
+        classifier output: no CRF, no modal filter. ``image``: an array, a chunked image or a source."""
+        self._check_fitted()
+        with self._call():
+            src = self.source(image)
+            for tile in self._grid(src).ordered(first):
+                yield tile.core, self.tile_proba(src, tile)
+
+    def _proba_one(self, src) -> np.ndarray:
+        out = np.empty(tuple(src.shape) + (len(self.classes_),), np.float32)
+        for tile in self._grid(src):
+            out[tile.core] = self.tile_proba(src, tile)
         if self.crf:
+            x = src.pixels if isinstance(src, ArraySource) else src.read(slice(None), slice(None))
             out = dense_crf_tiled(out, x, self.tile, CRF_OVERLAP, self.crf, **self.crf_params)
         return out
 
     def predict_proba(self, images, scaled: bool = False) -> list[np.ndarray]:
-        """Per image an (H, W, K) float32 array of class probabilities, classes ordered as ``classes_``.
+        """Per image an (H, W, K) float32 array of class probabilities, classes ordered as ``classes_``
+        (held whole: for images larger than memory use :mod:`~alibi_vit.trainable.stream`).
 
         scaled: the images are already the output of :meth:`scale` (so a caller that needs the scaled
         image too scales once)."""
         self._check_fitted()
-        xs = _as_list(images, "images") if scaled else self._prepare(images)
-        return [self._proba_one(x) for x in tqdm(xs, desc="segment", disable=not self.progress)]
+        with self._call():
+            srcs = [ArraySource(x) for x in _as_list(images, "images")] if scaled else self._prepare(images)
+            return [self._proba_one(s) for s in tqdm(srcs, desc="segment", disable=not self.progress)]
 
     def predict(self, images, scaled: bool = False) -> list[np.ndarray]:
         """Per image an (H, W) int64 mask of class values (those in the training labels); ``scaled`` as
         in :meth:`predict_proba`."""
-        self._check_fitted()
-        xs = _as_list(images, "images") if scaled else self._prepare(images)
-        return [self.mask_from_proba(self._proba_one(x)) for x in tqdm(xs, desc="segment", disable=not self.progress)]
+        return [self.mask_from_proba(p) for p in self.predict_proba(images, scaled)]
 
     def mask_from_proba(self, proba: np.ndarray) -> np.ndarray:
         """(H, W) class values from (H, W, K) probabilities: the most probable class, then the modal

@@ -9,6 +9,18 @@ their patch features are averaged. Tiling rather than one pass keeps the attenti
 at (DINOv2: 518 px). The patch features are standardised per channel and projected to
 ``n_components`` principal components (both fitted on the training images and then fixed, so
 every image is projected alike), then bilinearly upsampled to pixels and cropped to the image.
+
+Tiled images (the tiled engine) use the same windows: they are a fixed grid in image coordinates
+(:func:`window_grid`), so the patch features of any region are the average over the windows that
+cover it, exactly as in the whole-image pass (:func:`patch_map` reads only those windows' pixels).
+A feature tile's context is therefore the windows overlapping its core plus one patch (the reach of
+the bilinear upsampling): at most ``tile`` px beyond the core. Whatever the backbone, a tile's ViT
+features equal the whole image's. What differs between backbones is what the window grid does to
+them: the ALiBi model has no absolute position (its bias depends on patch offsets only, and with
+wrap it is exactly equivariant to whole-patch rolls), so a window's features depend on its pixels
+alone and the grid's placement adds no positional signal; a DINOv2-style model adds learned
+position embeddings per window, so its features carry a positional pattern that repeats with the
+window step (the same in the whole-image and the tiled pass).
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ import torch.nn.functional as F
 from ..features import patch_features
 from ..images import normalize
 
-__all__ = ["ViTFeatures", "vit_patch_features"]
+__all__ = ["ViTFeatures", "patch_map", "upsample_patches", "vit_patch_features", "window_grid"]
 
 
 def _patch_size(model) -> int:
@@ -31,12 +43,22 @@ def _patch_size(model) -> int:
     return int(ph)
 
 
-def _pad(x: torch.Tensor, ph: int, pw: int) -> torch.Tensor:
+def _pad_mode(h: int, w: int, ph: int, pw: int) -> str:
     # Mirror padding needs pad < size; a tiny image is repeated at its edge instead.
+    return "reflect" if ph < h and pw < w else "replicate"
+
+
+def _pad(x: torch.Tensor, ph: int, pw: int, mode: str | None = None) -> torch.Tensor:
     if ph == 0 and pw == 0:
         return x
-    mode = "reflect" if ph < x.shape[-2] and pw < x.shape[-1] else "replicate"
-    return F.pad(x, (0, pw, 0, ph), mode=mode)
+    return F.pad(x, (0, pw, 0, ph), mode=mode or _pad_mode(x.shape[-2], x.shape[-1], ph, pw))
+
+
+def _as_batch(image01: np.ndarray, device) -> torch.Tensor:
+    """(1, 3, H, W) float32: RGB as it is, grayscale repeated to three channels."""
+    if image01.ndim == 3:  # RGB (H, W, 3)
+        return torch.from_numpy(np.ascontiguousarray(np.moveaxis(image01, -1, 0), np.float32))[None].to(device)
+    return torch.from_numpy(np.ascontiguousarray(image01, np.float32))[None, None].to(device).expand(1, 3, -1, -1)
 
 
 def _starts(n: int, t: int, step: int) -> list[int]:
@@ -62,11 +84,7 @@ def vit_patch_features(model: nn.Module, image01: np.ndarray, *, tile: int = 518
         raise ValueError(f"overlap ({overlap} px) must be smaller than tile ({tile} px)")
     h, w = image01.shape[:2]
     gh, gw = -(-h // p), -(-w // p)
-    if image01.ndim == 3:  # RGB (H, W, 3)
-        x = torch.from_numpy(np.ascontiguousarray(np.moveaxis(image01, -1, 0), np.float32))[None].to(device)
-    else:
-        x = torch.from_numpy(np.ascontiguousarray(image01, np.float32))[None, None].to(device).expand(1, 3, -1, -1)
-    x = _pad(x, gh * p - h, gw * p - w)
+    x = _pad(_as_batch(image01, device), gh * p - h, gw * p - w)
     x = normalize(x)
     dtype = next(model.parameters()).dtype
     out, count = None, torch.zeros(1, gh, gw, device=device)
@@ -79,6 +97,70 @@ def vit_patch_features(model: nn.Module, image01: np.ndarray, *, tile: int = 518
             out[:, y0:y0 + f.shape[1], x0:x0 + f.shape[2]] += f
             count[:, y0:y0 + f.shape[1], x0:x0 + f.shape[2]] += 1
     return (out / count).cpu().numpy()
+
+
+def window_grid(shape, p: int, tile: int = 518, overlap: int = 56):
+    """(patch grid (gh, gw), window side t in patches, window starts along rows, along columns):
+    the windows :func:`vit_patch_features` runs the backbone on, for an image of ``shape`` px."""
+    t, o = max(tile // p, 1), max(overlap // p, 0)
+    if o >= t:
+        raise ValueError(f"overlap ({overlap} px) must be smaller than tile ({tile} px)")
+    gh, gw = -(-shape[0] // p), -(-shape[1] // p)
+    return (gh, gw), t, _starts(gh, t, t - o), _starts(gw, t, t - o)
+
+
+@torch.no_grad()
+def _window_features(model, read, shape, p: int, y0: int, x0: int, t: int, device) -> np.ndarray:
+    """(C, wh, ww) patch features of the window at patch (y0, x0): its pixels read with ``read(rows,
+    cols)``, padded past the image's end as the whole image is padded, normalised, through the model."""
+    h, w = shape
+    gh, gw = -(-h // p), -(-w // p)
+    top, left = y0 * p, x0 * p
+    bottom, right = min(y0 + t, gh) * p, min(x0 + t, gw) * p  # in the padded image
+    x = _as_batch(read(slice(top, min(bottom, h)), slice(left, min(right, w))), device)
+    x = _pad(x, bottom - min(bottom, h), right - min(right, w), _pad_mode(h, w, gh * p - h, gw * p - w))
+    x = normalize(x)
+    return patch_features(model, x.to(next(model.parameters()).dtype))[0].float().cpu().numpy()
+
+
+def patch_map(model, read, shape, rows: slice, cols: slice, *, tile: int = 518, overlap: int = 56, device="cpu",
+              window=None) -> np.ndarray:
+    """(C, rows, cols) patch features of the patch range ``rows`` × ``cols`` of an image of ``shape``
+    px: the average over the windows of :func:`window_grid` that cover it, equal to that part of
+    :func:`vit_patch_features`. Only those windows' pixels are read (``read(rows, cols)`` gives a
+    region of the scaled image). ``window(y0, x0, compute)`` may serve a window's features from a
+    cache (default: compute them)."""
+    p = _patch_size(model)
+    (gh, gw), t, ys, xs = window_grid(shape, p, tile, overlap)
+    a0, a1, b0, b1 = rows.start, rows.stop, cols.start, cols.stop
+    out, count = None, np.zeros((1, a1 - a0, b1 - b0), np.float32)
+    for y0 in ys:
+        if not (y0 < a1 and a0 < y0 + t):
+            continue
+        for x0 in xs:
+            if not (x0 < b1 and b0 < x0 + t):
+                continue
+            compute = lambda y0=y0, x0=x0: _window_features(model, read, shape, p, y0, x0, t, device)  # noqa: E731
+            f = compute() if window is None else window(y0, x0, compute)
+            if out is None:
+                out = np.zeros((f.shape[0], a1 - a0, b1 - b0), np.float32)
+            ya, yb, xa, xb = max(y0, a0), min(y0 + f.shape[1], a1), max(x0, b0), min(x0 + f.shape[2], b1)
+            out[:, ya - a0:yb - a0, xa - b0:xb - b0] += f[:, ya - y0:yb - y0, xa - x0:xb - x0]
+            count[:, ya - a0:yb - a0, xa - b0:xb - b0] += 1
+    return out / count
+
+
+def upsample_patches(z: np.ndarray, p: int, origin, rows: slice, cols: slice) -> np.ndarray:
+    """Pixels ``rows`` × ``cols`` of the bilinear ×p upsampling (align_corners=False) of a patch map,
+    given the part ``z`` (C, gh', gw') of it that starts at patch ``origin``.
+
+    With an integer scale, upsampling a part of the map that reaches one patch beyond the pixels
+    wanted (or to the map's edge) gives exactly the whole map's upsampling there, so no region
+    needs the whole image's upsampled features in memory."""
+    a0, b0 = origin
+    up = F.interpolate(torch.from_numpy(np.ascontiguousarray(z))[None], size=(z.shape[1] * p, z.shape[2] * p),
+                       mode="bilinear", align_corners=False)[0]
+    return up[:, rows.start - a0 * p:rows.stop - a0 * p, cols.start - b0 * p:cols.stop - b0 * p].numpy()
 
 
 class ViTFeatures:

@@ -1,0 +1,318 @@
+"""Images larger than memory: lazy, chunked views of TIFF/BigTIFF/OME-TIFF and zarr/OME-Zarr.
+
+:func:`open_image` opens a file without reading its pixels and returns a :class:`ChunkedImage`:
+its shape, dtype, axes, storage chunks and pyramid levels, and :meth:`ChunkedImage.read`, which
+reads one region (rows × columns, all channels) as stored. Only the storage chunks that the region
+touches are decoded.
+
+- TIFF and BigTIFF, tiled or in strips, and pyramidal OME-TIFF: through tifffile's zarr store
+  (``aszarr``: each TIFF tile or strip is one chunk). An uncompressed image stored in one piece is
+  memory-mapped instead, a region at a time, so it is not one giant chunk.
+- zarr arrays and OME-Zarr (NGFF 0.4 on zarr v2, NGFF 0.5 on zarr v3) through ``zarr``: the axes
+  come from the NGFF ``multiscales`` metadata, or from the array's dimension names (zarr v3
+  ``dimension_names``, or xarray's ``_ARRAY_DIMENSIONS``); a 2D array needs none ((rows, columns)),
+  and a 3D array whose last axis has 3 or 4 entries is read as RGB(A) like an RGB TIFF.
+
+Axes are named t, z, c, y, x. A channel axis of length 1 is dropped; 3 or 4 channels are RGB(A)
+(alpha is dropped where pixels are scaled, as for any image). Axes other than y, x and one channel
+axis (time points, z slices) index *planes*: :attr:`ChunkedImage.planes` of them, each a 2D image.
+An axis order that cannot be told apart, or more than one channel axis, is an
+:class:`~alibi_vit.images.ImageReadError` naming the axes found.
+
+:func:`sample_tiles` draws a seeded random sample of whole tiles (not the whole image): the
+intensity statistics of images too large to read are taken on it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .images import ImageReadError
+
+__all__ = ["ChunkedImage", "TIFF_SUFFIXES", "ZARR_SUFFIXES", "is_zarr_path", "open_image", "sample_tiles"]
+
+TIFF_SUFFIXES = (".tif", ".tiff", ".btf", ".tf8")
+ZARR_SUFFIXES = (".zarr",)
+_ZARR_MARKERS = ("zarr.json", ".zarray", ".zgroup")
+# tifffile's axis letters → ours: S (samples) and C are channels; Y, X space; the rest index planes.
+_TIFF_AXES = {"Y": "y", "X": "x", "S": "c", "C": "c", "Z": "z", "T": "t"}
+_NAMED_AXES = {"y": "y", "x": "x", "z": "z", "t": "t", "c": "c", "channel": "c", "channels": "c", "s": "c",
+               "row": "y", "rows": "y", "col": "x", "cols": "x", "column": "x", "columns": "x", "time": "t"}
+_SAMPLE_TILE = 512  # side of the tiles sample_tiles draws when the storage chunks are very small or large
+
+
+def is_zarr_path(path) -> bool:
+    """Whether ``path`` is a zarr store on disk: a folder named ``*.zarr`` or holding zarr metadata."""
+    path = Path(path)
+    return path.is_dir() and (path.suffix.lower() in ZARR_SUFFIXES
+                              or any((path / m).is_file() for m in _ZARR_MARKERS))
+
+
+class _MemmapArray:
+    """A contiguous, uncompressed TIFF image read through a fresh memory map per region, so the
+    mapped pages of earlier regions are not kept (they would count in the process's memory)."""
+
+    def __init__(self, path: str, offset: int, shape, dtype):
+        self.path, self.offset, self.shape, self.dtype = path, int(offset), tuple(shape), np.dtype(dtype)
+        self.ndim = len(self.shape)
+
+    def __getitem__(self, index):
+        mm = np.memmap(self.path, self.dtype, "r", self.offset, self.shape)
+        try:
+            return np.array(mm[index])
+        finally:
+            del mm
+
+
+@dataclass
+class ChunkedImage:
+    """A lazy view of one stored image; see the module docstring.
+
+    name: what it is called in messages (the path). axes: the stored array's axes, one of t, z, c,
+    y, x each (``"yx"``, ``"yxc"``, ``"zcyx"``…). levels: the stored arrays of the pyramid, level 0
+    (full resolution) first. key: a string naming the stored pixels (path, size, modification time),
+    for caches.
+    """
+
+    name: str
+    axes: str
+    levels: list
+    key: str
+    chunks: tuple[int, int]
+
+    def __post_init__(self):
+        shape = self.levels[0].shape
+        if len(self.axes) != len(shape):
+            raise ImageReadError(f"{self.name}: axes {self.axes!r} do not match the array's shape {tuple(shape)}")
+        self._sizes = dict(zip(self.axes, shape))
+        self.plane_axes = "".join(a for a in self.axes if a not in "yxc")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, columns) of one plane at full resolution."""
+        return self._sizes["y"], self._sizes["x"]
+
+    @property
+    def channels(self) -> int:
+        return self._sizes.get("c", 1)
+
+    @property
+    def planes(self) -> int:
+        return int(np.prod([self._sizes[a] for a in self.plane_axes], dtype=np.int64))
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.levels[0].dtype)
+
+    def level_shape(self, level: int) -> tuple[int, int]:
+        sizes = dict(zip(self.axes, self.levels[level].shape))
+        return sizes["y"], sizes["x"]
+
+    def read(self, rows: slice = slice(None), cols: slice = slice(None), plane: int = 0,
+             level: int = 0) -> np.ndarray:
+        """Pixels of the region as stored: (h, w) for one channel, (h, w, C) for several."""
+        if not 0 <= plane < self.planes:
+            raise IndexError(f"{self.name}: plane {plane} of {self.planes}")
+        plane_index = np.unravel_index(plane, [self._sizes[a] for a in self.plane_axes]) if self.plane_axes else ()
+        index, kept = [], []
+        for a in self.axes:
+            if a == "y":
+                index.append(rows)
+            elif a == "x":
+                index.append(cols)
+            elif a == "c":
+                index.append(slice(None) if self.channels > 1 else 0)
+            else:
+                index.append(int(plane_index[self.plane_axes.index(a)]))
+                continue
+            if a != "c" or self.channels > 1:
+                kept.append(a)
+        try:
+            region = np.asarray(self.levels[level][tuple(index)])
+        except Exception as err:  # codecs and stores raise many types for a damaged chunk
+            raise ImageReadError(f"{self.name}: cannot read rows {_span(rows)}, columns {_span(cols)} "
+                                 f"({type(err).__name__}: {err})") from err
+        order = [kept.index(a) for a in "yxc" if a in kept]
+        return np.transpose(region, order) if order != list(range(len(order))) else region
+
+    def tiles(self, tile: int | None = None):
+        """(rows, cols) slices of the tiles covering one plane, row-major; ``tile`` px (default the
+        storage chunk)."""
+        th, tw = (tile, tile) if tile else self.chunks
+        h, w = self.shape
+        for r in range(0, h, th):
+            for c in range(0, w, tw):
+                yield slice(r, min(r + th, h)), slice(c, min(c + tw, w))
+
+
+def _span(s: slice) -> str:
+    return f"{s.start or 0}:{'end' if s.stop is None else s.stop}"
+
+
+def _file_key(path: Path, *extra) -> str:
+    st = path.stat()
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|" + "|".join(map(str, extra))
+
+
+def _check_axes(name: str, axes: str, found) -> str:
+    """``axes`` must hold y and x once each and at most one channel axis; else an error naming ``found``."""
+    if axes.count("c") > 1:
+        raise ImageReadError(f"{name}: more than one channel axis (axes found: {found}); store one channel axis")
+    if axes.count("y") != 1 or axes.count("x") != 1 or len(set(axes)) != len(axes):
+        raise ImageReadError(f"{name}: no recognisable axis order (axes found: {found}); expected y and x axes, "
+                             "at most one channel axis c, and t or z for planes")
+    return axes
+
+
+def _chunks_yx(array, axes: str) -> tuple[int, int]:
+    chunks = getattr(array, "chunks", None) or array.shape
+    sizes = dict(zip(axes, chunks))
+    return int(sizes["y"]), int(sizes["x"])
+
+
+def _open_tiff(path: Path, name: str) -> ChunkedImage:
+    import tifffile
+    import zarr
+
+    try:
+        with tifffile.TiffFile(path) as tif:
+            series = tif.series[0]
+            found = series.axes
+            axes = "".join(_TIFF_AXES.get(a, "z") for a in found)
+            axes = _check_axes(name, axes, found)
+            # An OME-TIFF pyramid stores reduced levels as SubIFDs (or further series): series.levels.
+            if series.dataoffset is not None and len(series.levels) == 1:
+                levels = [_MemmapArray(str(path), series.dataoffset, series.shape,
+                                       series.dtype.newbyteorder(tif.byteorder))]
+                chunks = (min(series.shape[axes.index("y")], _SAMPLE_TILE), min(series.shape[axes.index("x")],
+                                                                                  _SAMPLE_TILE))
+            else:
+                levels = [zarr.open_array(series.aszarr(level=i), mode="r") for i in range(len(series.levels))]
+                chunks = _chunks_yx(levels[0], axes)
+    except ImageReadError:
+        raise
+    except Exception as err:  # tifffile raises many types for damaged files
+        raise ImageReadError(f"{name}: cannot read image ({type(err).__name__}: {err})") from err
+    return ChunkedImage(name, axes, levels, _file_key(path, 0), chunks)
+
+
+def _ngff_multiscales(attrs) -> list | None:
+    if "ome" in attrs and isinstance(attrs["ome"], dict):  # NGFF 0.5 (zarr v3)
+        attrs = attrs["ome"]
+    ms = attrs.get("multiscales")
+    return ms if isinstance(ms, list) and ms else None
+
+
+def _named_axes(name: str, names) -> str:
+    found = ", ".join(str(n) for n in names)
+    letters = []
+    for n in names:
+        letter = _NAMED_AXES.get(str(n).lower())
+        if letter is None:
+            raise ImageReadError(f"{name}: no recognisable axis order (axes found: {found}); name the axes "
+                                 "t, z, c, y, x")
+        letters.append(letter)
+    return _check_axes(name, "".join(letters), found)
+
+
+def _ngff_axes(name: str, axes) -> str:
+    names = []
+    for a in axes:
+        if isinstance(a, str):  # NGFF 0.3 listed bare names
+            names.append(a)
+        elif a.get("type") == "channel":
+            names.append("c")
+        else:
+            names.append(a.get("name", "?"))
+    return _named_axes(name, names)
+
+
+def _array_axes(name: str, array) -> str:
+    """Axes of a zarr array without NGFF metadata: its dimension names, else told from its shape."""
+    names = getattr(array.metadata, "dimension_names", None) or array.attrs.get("_ARRAY_DIMENSIONS")
+    if names and all(n is not None for n in names):
+        return _named_axes(name, names)
+    shape = array.shape
+    if len(shape) == 2:
+        return "yx"
+    if len(shape) == 3 and shape[-1] in (3, 4) and shape[0] not in (3, 4):
+        return "yxc"
+    raise ImageReadError(f"{name}: no recognisable axis order (axes found: none, shape {tuple(shape)}); give the "
+                         "array OME-Zarr multiscales metadata or dimension names (t, z, c, y, x)")
+
+
+def _metadata_key(path: Path) -> str:
+    marks = [path / m for m in _ZARR_MARKERS if (path / m).is_file()]
+    stamp = max((m.stat().st_mtime_ns for m in marks), default=0)
+    return f"{path.resolve()}|zarr|{stamp}"
+
+
+def _open_zarr(source, name: str) -> ChunkedImage:
+    import zarr
+
+    try:
+        node = zarr.open(source, mode="r") if not isinstance(source, (zarr.Array, zarr.Group)) else source
+    except Exception as err:
+        raise ImageReadError(f"{name}: cannot open as zarr ({type(err).__name__}: {err})") from err
+    key = _metadata_key(Path(source)) if isinstance(source, (str, os.PathLike)) else f"zarr|{id(node)}"
+    if isinstance(node, zarr.Array):
+        axes = _array_axes(name, node)
+        return ChunkedImage(name, axes, [node], key, _chunks_yx(node, axes))
+    multiscales = _ngff_multiscales(node.attrs)
+    if multiscales is None:
+        arrays = [k for k, _ in node.arrays()]
+        raise ImageReadError(f"{name}: a zarr group without OME-Zarr multiscales metadata (arrays: "
+                             f"{', '.join(arrays) or 'none'}); open one of its arrays, or add the metadata")
+    ms = multiscales[0]
+    try:
+        levels = [node[d["path"]] for d in ms["datasets"]]
+    except (KeyError, TypeError) as err:
+        raise ImageReadError(f"{name}: its OME-Zarr multiscales metadata names a missing dataset ({err})") from err
+    axes = _ngff_axes(name, ms["axes"]) if "axes" in ms else _array_axes(name, levels[0])
+    return ChunkedImage(name, axes, levels, key, _chunks_yx(levels[0], axes))
+
+
+def open_image(source) -> ChunkedImage:
+    """A :class:`ChunkedImage` over a TIFF/BigTIFF/OME-TIFF file, a zarr/OME-Zarr folder, or a zarr
+    array or group already opened; nothing is read but metadata. Any other file, or an unreadable
+    one, is an :class:`~alibi_vit.images.ImageReadError` naming it."""
+    import zarr
+
+    if isinstance(source, (zarr.Array, zarr.Group)):
+        return _open_zarr(source, f"zarr {getattr(source, 'name', '')}".strip())
+    path = Path(source)
+    if is_zarr_path(path):
+        return _open_zarr(str(path), str(path))
+    if not path.is_file():
+        raise ImageReadError(f"{path}: no such image file or zarr folder")
+    if path.suffix.lower() in TIFF_SUFFIXES:
+        return _open_tiff(path, str(path))
+    raise ImageReadError(f"{path}: not a TIFF or zarr image; PNG and JPEG files are read whole")
+
+
+def sample_tiles(image: ChunkedImage, max_pixels: int = 1 << 20, seed: int = 0, plane: int = 0,
+                 tile: int | None = None):
+    """(pixels, tiles read, tiles in all): a seeded random sample of whole tiles of one plane, read
+    until at least ``max_pixels`` pixels are in hand (all tiles when the image is smaller).
+
+    ``pixels`` is (1, N) as stored, or (1, N, C) for several channels: an image one row high, so
+    the statistics functions of :mod:`alibi_vit.images` take it as they are. Tiles are the storage
+    chunks (or ``tile`` px squares; 512 px when the chunks are smaller than 64 or larger than 2048 px)."""
+    ch, cw = image.chunks
+    if tile is None and not (64 <= min(ch, cw) and max(ch, cw) <= 2048):
+        tile = _SAMPLE_TILE
+    tiles = list(image.tiles(tile))
+    order = np.random.default_rng(seed).permutation(len(tiles))
+    parts, count = [], 0
+    for i in order:
+        rows, cols = tiles[i]
+        region = image.read(rows, cols, plane)
+        parts.append(region.reshape((1, -1) + region.shape[2:]))
+        count += region.shape[0] * region.shape[1]
+        if count >= max_pixels:
+            break
+    return np.concatenate(parts, axis=1), len(parts), len(tiles)
