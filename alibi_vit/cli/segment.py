@@ -27,6 +27,10 @@ ACTIONS = {
     "benchmark": "scribble benchmark: test mIoU per round of generated scribbles",
 }
 LABEL_SUFFIXES = ("", "_labels", "_label", "_mask", "_masks", "_gt", "-labels", "-mask")
+OUT_FORMATS = ("auto", "png", "tif", "ome-zarr", "bigtiff")
+STREAMED_FORMATS = ("ome-zarr", "bigtiff")
+# Larger images (and zarr stores) are read lazily and segmented tile by tile; smaller ones are read whole.
+WHOLE_PIXELS = 4096 * 4096
 
 
 def _add_backbone_arguments(p, several: bool):
@@ -85,7 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--out", type=Path, required=True, metavar="DIR")
     a.add_argument("--recursive", action="store_true",
                    help="also segment images in subfolders of the --images folders; outputs mirror the subfolders")
-    a.add_argument("--format", choices=("png", "tif"), default="png", help="mask file format")
+    a.add_argument("--out-format", choices=OUT_FORMATS, default="auto",
+                   help="auto (default): PNG masks and overlays for images read whole, and images larger than "
+                        f"{WHOLE_PIXELS // 2**20} megapixels or stored as zarr streamed tile by tile into OME-Zarr "
+                        "(zarr inputs) or tiled BigTIFF (TIFF inputs); png or tif: masks as one file (images read "
+                        "whole); ome-zarr or bigtiff: every image streamed, outputs with a multiscale pyramid")
+    a.add_argument("--format", dest="out_format", choices=("png", "tif"), default=argparse.SUPPRESS,
+                   help="the same as --out-format png|tif")
     a.add_argument("--no-overlay", action="store_true", help="write only the masks, no overlay PNGs")
     a.add_argument("--proba", action="store_true",
                    help="also write per-class probability TIFFs (<name>_proba_<class>.tif, float32)")
@@ -180,6 +190,33 @@ def _classifier_params(args):
     return {} if args.trees is None else {"n_estimators": args.trees}
 
 
+def _stem(path: Path) -> str:
+    """The name outputs are named after: the file name without its image suffixes (``a.ome.zarr`` → ``a``)."""
+    name = path.name[:-len(".zarr")] if path.name.lower().endswith(".zarr") else path.stem
+    return name[:-len(".ome")] if name.lower().endswith(".ome") and len(name) > 4 else name
+
+
+def _streamed_view(path: Path, out_format: str):
+    """The lazy view (or, for a streamed format, the array) of an image that is segmented tile by tile,
+    or None for one read whole: zarr stores, single-plane TIFFs above ``WHOLE_PIXELS``, and any
+    image with a streamed ``out_format``. A large image with a single-file format is an error."""
+    from ..chunked import TIFF_SUFFIXES, is_zarr_path, open_image
+    from ..images import read_array
+
+    lazy = is_zarr_path(path) or path.suffix.lower() in TIFF_SUFFIXES
+    image = open_image(path) if lazy else None
+    if image is not None and image.planes > 1:
+        return None  # a stack of slices: read whole, slice by slice
+    big = image is not None and (is_zarr_path(path) or image.shape[0] * image.shape[1] > WHOLE_PIXELS)
+    if big and out_format in ("png", "tif"):
+        raise ValueError(f"{path} is {image.shape[0]}×{image.shape[1]} px{' (zarr)' if is_zarr_path(path) else ''}: "
+                         f"it is segmented tile by tile, which --out-format {out_format} cannot write; use "
+                         "--out-format auto, ome-zarr or bigtiff")
+    if big or out_format in STREAMED_FORMATS:
+        return image if image is not None else read_array(path)
+    return None
+
+
 def _train(args) -> int:
     from ..images import read_array
     from ..trainable import TrainableSegmenter, read_labels
@@ -196,6 +233,11 @@ def _train(args) -> int:
     _check_out_folder(args.out)
     images, labels = [], []
     for img, lab in tqdm(pairs, desc="read", disable=len(pairs) < 2):
+        view = _streamed_view(img, "auto")
+        if view is not None:  # read lazily: only the tiles that hold labels are read
+            images.append(view)
+            labels.append(_lazy_labels(lab))
+            continue
         stack, label_stack = read_slices(img), read_slices(lab)
         if stack is None and label_stack is None:
             images.append(read_array(img))  # as stored: the segmenter scales them (and fits the range)
@@ -214,19 +256,34 @@ def _train(args) -> int:
                              colour=args.colour, feature_fn=args.features, modal=args.modal, **backbone_kwargs)
     seg.fit(images, labels)
     seg.save(args.out)
-    counts = np.bincount(np.concatenate([lab[lab > 0] for lab in labels]))
-    print(f"trained on {len(images)} image(s), {int(counts.sum())} labelled pixels in classes "
-          + ", ".join(f"{c}: {n}" for c, n in enumerate(counts) if n) + f"; model written to {args.out}")
+    if seg.intensity_note:
+        print(f"note: {seg.intensity_note}", file=sys.stderr)
+    counts = seg.label_counts_
+    print(f"trained on {len(images)} image(s), {sum(counts.values())} labelled pixels in classes "
+          + ", ".join(f"{c}: {n}" for c, n in counts.items()) + f"; model written to {args.out}")
     return 0
+
+
+def _lazy_labels(path: Path):
+    """A label image for a lazily read image: a chunked view of a TIFF or zarr, else read whole."""
+    from ..chunked import TIFF_SUFFIXES, is_zarr_path, open_image
+    from ..trainable import read_labels
+
+    if is_zarr_path(path) or path.suffix.lower() in TIFF_SUFFIXES:
+        return open_image(path)
+    return read_labels(path)
 
 
 def _apply(args) -> int:
     import warnings
 
-    from ..images import read_array, scale_colour
+    from ..chunked import is_zarr_path
+    from ..images import ImageReadError, read_array, scale_colour
     from ..trainable import TrainableSegmenter
     from ..trainable.io import (area_fractions, list_image_files, overlay, read_slices, write_colour_key,
                                 write_fractions_csv, write_mask, write_proba)
+    from ..trainable.stream import segment_to_files
+    from ..trainable.writers import OutputError
 
     files, where = [], {}  # where: image → (output folder, name in the CSV)
     for src in args.images:
@@ -250,16 +307,45 @@ def _apply(args) -> int:
         stack = read_slices(path)
         return (stack, True) if stack is not None else ([read_array(path)], False)
 
+    streamed = {}  # image → its chunked view (or its array, for a streamed format) when it is streamed
+    for path in files:
+        try:
+            streamed[path] = _streamed_view(path, args.out_format)
+        except ImageReadError as err:  # reported in the loop below
+            streamed[path] = err
     # A colour model given grayscale images (or the reverse) fails before the progress bar and any output:
     # one image is read twice for that, so the error stays a single clean line.
     for path in files:
         try:
-            first = read(path)[0][0]
+            first = streamed[path] if streamed[path] is not None else read(path)[0][0]
         except (OSError, ValueError):
             continue  # reported in the loop below
+        if isinstance(first, Exception):
+            continue
         seg.check_channels(first, str(path))
         break
     for path in tqdm(files, desc="segment"):
+        if isinstance(streamed[path], Exception):
+            warnings.warn(f"skipped {path}: {streamed[path]}")
+            failed.append(path.name)
+            continue
+        if streamed[path] is not None:
+            fmt = args.out_format if args.out_format in STREAMED_FORMATS else \
+                "ome-zarr" if is_zarr_path(path) else "bigtiff"
+            try:
+                result = segment_to_files(seg, streamed[path], where[path][0], _stem(path), fmt, proba=args.proba,
+                                          overlays=not args.no_overlay)
+            except OutputError:
+                raise
+            except (OSError, ValueError) as err:  # a damaged tile: this image is skipped, the others go on
+                warnings.warn(f"skipped {path}: {err}")
+                failed.append(path.name)
+                continue
+            if result.note:
+                tqdm.write(f"note: {result.note}", file=sys.stderr)
+            names.append(where[path][1])
+            counts.append((result.counts, result.size))
+            continue
         try:
             arrays, is_stack = read(path)
         except (OSError, ValueError) as err:  # one unreadable file must not cost the others their masks
@@ -286,7 +372,7 @@ def _apply(args) -> int:
                 write_proba(dest, path.stem, np.stack(probas), seg.classes_)
             continue
         array, image01, proba, mask = arrays[0], scaled[0], probas[0], masks[0]
-        write_mask(dest / f"{path.stem}_mask.{args.format}", mask, k)
+        write_mask(dest / f"{path.stem}_mask.{'tif' if args.out_format == 'tif' else 'png'}", mask, k)
         if args.proba:
             write_proba(dest, path.stem, proba, seg.classes_)
         if not args.no_overlay:

@@ -16,7 +16,7 @@ __all__ = ["IMAGE_SUFFIXES", "area_fractions", "as_grayscale", "as_label_image",
            "read_array", "read_grayscale", "read_labels", "read_slices", "to_unit_float", "write_colour_key",
            "write_fractions_csv", "write_mask", "write_proba"]
 
-IMAGE_SUFFIXES = (".png", ".tif", ".tiff", ".jpg", ".jpeg", ".bmp")
+IMAGE_SUFFIXES = (".png", ".tif", ".tiff", ".btf", ".jpg", ".jpeg", ".bmp")
 
 
 def as_grayscale(image, source: str = "image") -> np.ndarray:
@@ -140,19 +140,38 @@ def read_labels(path, shape=None) -> np.ndarray:
     return as_label_image(read_array(path), shape, source=f"labels {path}")
 
 
+def _folder_images(folder: Path, recursive: bool) -> list[Path]:
+    """Image files and zarr stores (folders, not searched inside) in ``folder``, sorted."""
+    from ..chunked import is_zarr_path
+
+    found = []
+    for p in sorted(folder.iterdir()):
+        if p.is_dir():
+            if is_zarr_path(p):
+                found.append(p)
+            elif recursive:
+                found.extend(_folder_images(p, recursive))
+        elif p.suffix.lower() in IMAGE_SUFFIXES and p.is_file():
+            found.append(p)
+    return sorted(found)
+
+
 def list_image_files(sources, recursive: bool = False) -> list[Path]:
-    """Image files from folders (their images, sorted; with ``recursive`` also those in subfolders)
-    and/or file paths, in order."""
+    """Image files (and zarr stores) from folders (their images, sorted; with ``recursive`` also those
+    in subfolders) and/or paths, in order. A zarr store given as a folder is one image."""
+    from ..chunked import is_zarr_path
+
     if isinstance(sources, (str, Path)):
         sources = [sources]
     files = []
     for src in sources:
         src = Path(src)
-        if src.is_dir():
-            found = sorted(p for p in (src.rglob("*") if recursive else src.iterdir())
-                           if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+        if is_zarr_path(src):
+            files.append(src)
+        elif src.is_dir():
+            found = _folder_images(src, recursive)
             if not found:
-                raise FileNotFoundError(f"folder {src} holds no images ({', '.join(IMAGE_SUFFIXES)})")
+                raise FileNotFoundError(f"folder {src} holds no images ({', '.join(IMAGE_SUFFIXES)}, or zarr stores)")
             files.extend(found)
         elif src.is_file():
             files.append(src)

@@ -332,9 +332,7 @@ class TrainableSegmenter:
             self._warn_dtype(image.dtype, name)
             return ChunkedSource(image, lo, hi, keep)
         lo, hi, note = chunked_range(image, self.intensity, keep, self.seed)
-        src = ChunkedSource(image, lo, hi, keep)
-        src.note = note
-        return src
+        return ChunkedSource(image, lo, hi, keep, note=note)
 
     def _prepare(self, images, source="image", fit: bool = False) -> list:
         images = _as_list(images, "images")
@@ -375,7 +373,8 @@ class TrainableSegmenter:
         note = ("intensity range fitted on a seeded sample of tiles: " + "; ".join(notes)) if notes else None
         return fit_intensity_range(pooled, seed=self.seed, colour=self.colour == "channels"), note
 
-    def _grid(self, src) -> TileGrid:
+    def tile_grid(self, src) -> TileGrid:
+        """The tiles of an image (a source): cores of ``tile`` px, halos of the filters' reach."""
         return TileGrid(src.shape, self.tile, self.halo)
 
     def _cached(self, key: str, compute):
@@ -487,7 +486,7 @@ class TrainableSegmenter:
             raise ValueError("the ViT PCA is fitted by fit(): call fit() before features() with a backbone")
         with self._call():
             (src,) = self._prepare([image])
-            grid = self._grid(src)
+            grid = self.tile_grid(src)
             out = None
             for tile in grid:
                 feats = self._tile_features(src, tile)
@@ -506,7 +505,7 @@ class TrainableSegmenter:
             raise ValueError("precompute() fills the feature cache: create the segmenter with cache=FeatureCache()")
         with self._call():
             (src,) = self._prepare([image])
-            tiles = self._grid(src).ordered(first)
+            tiles = self.tile_grid(src).ordered(first)
             p = self._patch_size() if self.vit is not None else None
             for i, tile in enumerate(tiles):
                 if p is not None:  # the windows of the core's patches; PCA may not be fitted yet
@@ -553,6 +552,7 @@ class TrainableSegmenter:
                 warnings.warn(f"label values {', '.join(str(int(c)) for c in classes)} are not 1..{len(classes)}: "
                               "each value is a class, and masks are written with these same values", stacklevel=2)
             self.classes_ = classes
+            self.label_counts_ = {int(c): int(totals[c]) for c in classes}  # labelled pixels per class
             self.n_user_features = None
             if self.vit is not None:
                 self._fit_pca(sources, labelled)
@@ -566,7 +566,7 @@ class TrainableSegmenter:
         image then row-major tile order (reading the label images tile by tile)."""
         found = []
         for i, (src, lab) in enumerate(zip(sources, labels)):
-            for tile in tqdm(list(self._grid(src)), desc="labels", disable=not self.progress, leave=False):
+            for tile in tqdm(list(self.tile_grid(src)), desc="labels", disable=not self.progress, leave=False):
                 y = label_region(lab, *tile.core, source=f"labels {i}")
                 values, counts = np.unique(y[y > 0], return_counts=True)
                 if len(values):
@@ -649,12 +649,12 @@ class TrainableSegmenter:
         self._check_fitted()
         with self._call():
             src = self.source(image)
-            for tile in self._grid(src).ordered(first):
+            for tile in self.tile_grid(src).ordered(first):
                 yield tile.core, self.tile_proba(src, tile)
 
     def _proba_one(self, src) -> np.ndarray:
         out = np.empty(tuple(src.shape) + (len(self.classes_),), np.float32)
-        for tile in self._grid(src):
+        for tile in self.tile_grid(src):
             out[tile.core] = self.tile_proba(src, tile)
         if self.crf:
             x = src.pixels if isinstance(src, ArraySource) else src.read(slice(None), slice(None))

@@ -45,10 +45,12 @@ class ArraySource:
 class ChunkedSource:
     """One plane of a chunked image, read and scaled region by region with points (lo, hi).
 
-    colour: keep colour channels ((h, w, 3), alpha dropped) rather than reduce them to luma."""
+    colour: keep colour channels ((h, w, 3), alpha dropped) rather than reduce them to luma. note:
+    how the points were measured (a sample of tiles), for the user."""
 
-    def __init__(self, image: ChunkedImage, lo: float, hi: float, colour: bool, plane: int = 0):
+    def __init__(self, image: ChunkedImage, lo: float, hi: float, colour: bool, plane: int = 0, note: str = ""):
         self.image, self.lo, self.hi, self.colour, self.plane = image, float(lo), float(hi), colour, int(plane)
+        self.note = note  # how (lo, hi) were measured, when they were
         self.name = image.name if image.planes == 1 else f"{image.name} plane {plane}"
         self.shape = image.shape
         self.key = f"{image.key}|plane {plane}|range {self.lo!r} {self.hi!r}|colour {colour}"

@@ -1,0 +1,183 @@
+"""Writing results tile by tile: OME-Zarr with a multiscale pyramid, or tiled pyramidal BigTIFF.
+
+:class:`ZarrOutput` is a zarr array written one tile (one chunk) at a time; with ``pyramid`` it is
+an OME-Zarr image (NGFF 0.4: zarr v2, axes ``c`` (when there are several channels), ``y``, ``x``)
+whose reduced levels :meth:`ZarrOutput.finish` builds from level 0, block by block (each level half
+the size of the one above: class masks keep every second pixel, as label images must; overlays and
+probabilities average 2×2 pixels). Masks carry NGFF ``image-label`` colours (the overlays'
+palette), so viewers such as napari show the classes in the same colours.
+
+Each chunk is written to a temporary file that then replaces the chunk (zarr's local store does
+this), so a write that fails, for example on a full disk, leaves every chunk already written valid.
+:func:`zarr_to_tiff` copies a finished pyramid into a tiled, pyramidal OME-TIFF (BigTIFF; reduced
+levels as SubIFDs), written under a temporary name and renamed when complete. A failed write is an
+:class:`OutputError` naming the file and the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["OutputError", "ZarrOutput", "zarr_to_tiff"]
+
+TIFF_TILE = 512  # px; TIFF tiles are multiples of 16
+
+
+class OutputError(OSError):
+    """An output that could not be written (a full disk, a read-only folder)."""
+
+
+def _fail(path, err: OSError) -> OutputError:
+    reason = err.strerror or str(err) or type(err).__name__
+    return OutputError(f"cannot write {path}: {reason}; outputs written before stay valid")
+
+
+def _downsample(block: np.ndarray, nearest: bool) -> np.ndarray:
+    """(C, h, w) → (C, ⌈h/2⌉, ⌈w/2⌉): every second pixel, or the mean of 2×2 (edges repeated)."""
+    if nearest:
+        return block[:, ::2, ::2]
+    c, h, w = block.shape
+    padded = np.pad(block, ((0, 0), (0, h % 2), (0, w % 2)), mode="edge").astype(np.float32)
+    mean = padded.reshape(c, -1, 2, padded.shape[2] // 2, 2).mean(axis=(2, 4))
+    return mean.round().astype(block.dtype) if block.dtype.kind in "iu" else mean.astype(block.dtype)
+
+
+class ZarrOutput:
+    """An (H, W) or (H, W, C) result written tile by tile into a zarr store at ``path``.
+
+    chunk: the chunk side in px (the tiles written should be chunk-aligned, so no chunk is written
+    twice). pyramid: write an OME-Zarr image (reduced levels by :meth:`finish`) rather than a bare
+    array. nearest: downsample by taking pixels (labels) rather than averaging. colours: (K + 1, 3)
+    uint8 palette stored as NGFF image-label colours for class values 1..K.
+    """
+
+    def __init__(self, path, shape, dtype, chunk: int, channels: int = 1, *, pyramid: bool = True,
+                 nearest: bool = False, colours=None, name: str | None = None):
+        import zarr
+
+        self.path, self.shape, self.channels = Path(path), tuple(int(n) for n in shape), int(channels)
+        self.chunk, self.pyramid, self.nearest = int(chunk), pyramid, nearest
+        self.name = name or self.path.name
+        try:
+            if self.path.exists():
+                shutil.rmtree(self.path) if self.path.is_dir() else self.path.unlink()
+            self.group = zarr.open_group(str(self.path), mode="w", zarr_format=2)
+            self.levels = [self._create("0", self.shape, dtype)]
+            if pyramid:
+                self._write_metadata(colours)
+        except OSError as err:
+            raise _fail(self.path, err) from err
+        self._colours = colours
+
+    def _create(self, name: str, shape, dtype):
+        lead = (self.channels,) if self.channels > 1 else ()
+        return self.group.create_array(name, shape=lead + tuple(shape), chunks=lead + (self.chunk, self.chunk),
+                                       dtype=dtype, fill_value=0,
+                                       chunk_key_encoding={"name": "v2", "separator": "/"})
+
+    def _write_metadata(self, colours) -> None:
+        axes = ([{"name": "c", "type": "channel"}] if self.channels > 1 else []) + \
+               [{"name": "y", "type": "space"}, {"name": "x", "type": "space"}]
+        lead = [1.0] if self.channels > 1 else []
+        datasets = [{"path": str(i), "coordinateTransformations": [{"type": "scale",
+                                                                    "scale": lead + [2.0 ** i, 2.0 ** i]}]}
+                    for i in range(len(self.levels))]
+        attrs = {"multiscales": [{"version": "0.4", "name": self.name, "axes": axes, "datasets": datasets,
+                                  "type": "nearest" if self.nearest else "mean"}]}
+        if colours is not None:
+            colours = np.asarray(colours, np.uint8)
+            attrs["image-label"] = {"version": "0.4", "colors": [
+                {"label-value": v, "rgba": [int(x) for x in colours[v]] + [255]} for v in range(1, len(colours))]}
+        self.group.attrs.update(attrs)
+
+    @property
+    def array(self):
+        """Level 0 (full resolution), channels first."""
+        return self.levels[0]
+
+    def write(self, core, block: np.ndarray) -> None:
+        """Write ``block`` ((h, w) or (h, w, C)) at ``core`` = (rows, cols) slices of level 0."""
+        data = np.moveaxis(block, -1, 0) if self.channels > 1 else block
+        index = ((slice(None),) if self.channels > 1 else ()) + tuple(core)
+        try:
+            self.array[index] = data
+        except OSError as err:
+            raise _fail(self.path, err) from err
+
+    def read(self, rows: slice, cols: slice) -> np.ndarray:
+        """(h, w) or (h, w, C) of level 0: the store read back (by later passes, or to convert)."""
+        data = np.asarray(self.array[((slice(None),) if self.channels > 1 else ()) + (rows, cols)])
+        return np.moveaxis(data, 0, -1) if self.channels > 1 else data
+
+    def finish(self) -> Path:
+        """Build the reduced levels (until one chunk holds a level) and record them in the metadata."""
+        if not self.pyramid:
+            return self.path
+        try:
+            while max(self.levels[-1].shape[-2:]) > self.chunk:
+                below = self.levels[-1]
+                h, w = below.shape[-2:]
+                level = self._create(str(len(self.levels)), (-(-h // 2), -(-w // 2)), below.dtype)
+                step = 2 * self.chunk
+                for r in range(0, h, step):
+                    for c in range(0, w, step):
+                        block = np.asarray(below[..., r:r + step, c:c + step])
+                        small = _downsample(block if block.ndim == 3 else block[None], self.nearest)
+                        level[..., r // 2:r // 2 + small.shape[-2], c // 2:c // 2 + small.shape[-1]] = \
+                            small if block.ndim == 3 else small[0]
+                self.levels.append(level)
+            self._write_metadata(self._colours)
+        except OSError as err:
+            raise _fail(self.path, err) from err
+        return self.path
+
+
+def zarr_to_tiff(source: ZarrOutput, path, *, photometric: str = "minisblack") -> list[Path]:
+    """Copy a finished pyramid into tiled, pyramidal OME-TIFF (BigTIFF) at ``path``, block by block.
+
+    ``path`` may be a list of one path per channel: each channel then goes to its own file, rather
+    than one file of C samples per pixel (RGB overlays). Returns the files written."""
+    import tifffile
+
+    levels = source.levels
+    planes = isinstance(path, (list, tuple))
+    channels = source.channels if not planes else 1
+    outputs = []
+    for ch, target in enumerate(path if planes else [path]):
+        target = Path(target)
+        part = target.with_name(target.name + ".part")
+
+        def tiles(level, ch=ch):
+            h, w = level.shape[-2:]
+            for r in range(0, h, TIFF_TILE):
+                for c in range(0, w, TIFF_TILE):
+                    if source.channels == 1:
+                        block = np.asarray(level[r:r + TIFF_TILE, c:c + TIFF_TILE])
+                    elif planes:
+                        block = np.asarray(level[ch, r:r + TIFF_TILE, c:c + TIFF_TILE])
+                    else:
+                        block = np.moveaxis(np.asarray(level[:, r:r + TIFF_TILE, c:c + TIFF_TILE]), 0, -1)
+                    pad = [(0, TIFF_TILE - block.shape[0]), (0, TIFF_TILE - block.shape[1])] + \
+                          [(0, 0)] * (block.ndim - 2)
+                    yield np.pad(block, pad)
+
+        try:
+            with tifffile.TiffWriter(part, bigtiff=True, ome=True) as tif:
+                for i, level in enumerate(levels):
+                    shape = tuple(level.shape[-2:]) + ((channels,) if channels > 1 else ())
+                    options = dict(shape=shape, dtype=level.dtype, tile=(TIFF_TILE, TIFF_TILE),
+                                   photometric=photometric, compression="zlib")
+                    if i == 0:
+                        tif.write(tiles(level), subifds=len(levels) - 1, **options)
+                    else:
+                        tif.write(tiles(level), subfiletype=1, **options)
+            os.replace(part, target)
+        except OSError as err:
+            part.unlink(missing_ok=True)
+            raise _fail(target, err) from err
+        outputs.append(target)
+    return outputs
