@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -333,8 +334,10 @@ def _apply(args) -> int:
             fmt = args.out_format if args.out_format in STREAMED_FORMATS else \
                 "ome-zarr" if is_zarr_path(path) else "bigtiff"
             try:
+                started = time.perf_counter()
                 result = segment_to_files(seg, streamed[path], where[path][0], _stem(path), fmt, proba=args.proba,
                                           overlays=not args.no_overlay)
+                seconds = time.perf_counter() - started
             except OutputError:
                 raise
             except (OSError, ValueError) as err:  # a damaged tile: this image is skipped, the others go on
@@ -343,6 +346,8 @@ def _apply(args) -> int:
                 continue
             if result.note:
                 tqdm.write(f"note: {result.note}", file=sys.stderr)
+            tqdm.write(f"{where[path][1]}: {result.size / 1e6:.1f} MP in {seconds:.1f} s ({result.size / 1e6 / seconds:.2f} "
+                       f"MP/s) → {', '.join(p.name for p in result.paths)}", file=sys.stderr)
             names.append(where[path][1])
             counts.append((result.counts, result.size))
             continue
