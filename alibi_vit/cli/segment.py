@@ -293,6 +293,12 @@ def _apply(args) -> int:
             files.append(f)
             where[f] = (args.out / rel.parent, rel.as_posix())
     _check_out_folder(args.out)
+    streamed = {}  # image → its chunked view (or its array, for a streamed format) when it is streamed
+    for path in files:
+        try:
+            streamed[path] = _streamed_view(path, args.out_format)
+        except ImageReadError as err:  # reported in the loop below
+            streamed[path] = err
     seg = TrainableSegmenter.load(args.model, device=args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.modal is not None:
@@ -308,12 +314,6 @@ def _apply(args) -> int:
         stack = read_slices(path)
         return (stack, True) if stack is not None else ([read_array(path)], False)
 
-    streamed = {}  # image → its chunked view (or its array, for a streamed format) when it is streamed
-    for path in files:
-        try:
-            streamed[path] = _streamed_view(path, args.out_format)
-        except ImageReadError as err:  # reported in the loop below
-            streamed[path] = err
     # A colour model given grayscale images (or the reverse) fails before the progress bar and any output:
     # one image is read twice for that, so the error stays a single clean line.
     for path in files:

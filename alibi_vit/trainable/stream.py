@@ -82,10 +82,7 @@ def segment_to_files(seg, image, folder, stem: str, out_format: str = "ome-zarr"
         def store(name, dtype, channels=1, pyramid=False, **kw):
             return ZarrOutput(name, shape, dtype, chunk, channels, pyramid=pyramid, **kw)
 
-        mask_out = store(zarr_dir / f"{stem}_mask.ome.zarr", mask_dtype, pyramid=True, nearest=True, colours=colours)
-        overlay_out = store(zarr_dir / f"{stem}_overlay.ome.zarr", np.uint8, 3, pyramid=True) if overlays else None
-        proba_out = store(zarr_dir / f"{stem}_proba.ome.zarr", np.float32, len(classes), pyramid=True) \
-            if proba else None
+        mask_out = overlay_out = proba_out = None
         counts = np.zeros(len(classes), np.int64)
         bar = tqdm(total=len(grid) * (1 + bool(seg.crf) + bool(seg.modal)), desc=f"{stem} tiles",
                    disable=not progress, leave=False)
@@ -99,6 +96,12 @@ def segment_to_files(seg, image, folder, stem: str, out_format: str = "ome-zarr"
                 proba_out.write(core, p)
 
         try:
+            mask_out = store(zarr_dir / f"{stem}_mask.ome.zarr", mask_dtype, pyramid=True, nearest=True,
+                             colours=colours)
+            if overlays:
+                overlay_out = store(zarr_dir / f"{stem}_overlay.ome.zarr", np.uint8, 3, pyramid=True)
+            if proba:
+                proba_out = store(zarr_dir / f"{stem}_proba.ome.zarr", np.float32, len(classes), pyramid=True)
             post = bool(seg.crf) or bool(seg.modal)
             raw = store(staging / "proba_raw.zarr", np.float32, len(classes)) if post else None
             for tile in grid:  # pass 1: the classifier
@@ -137,9 +140,8 @@ def segment_to_files(seg, image, folder, stem: str, out_format: str = "ome-zarr"
                 if proba_out is not None:
                     paths += zarr_to_tiff(proba_out, [folder / f"{stem}_proba_{int(c)}.ome.tif" for c in classes])
         except BaseException:  # a damaged tile, a full disk, an interrupt: no half-written outputs
-            for out in (mask_out, overlay_out, proba_out):
-                if out is not None:
-                    shutil.rmtree(out.path, ignore_errors=True)
+            for name in ("mask", "overlay", "proba"):
+                shutil.rmtree(zarr_dir / f"{stem}_{name}.ome.zarr", ignore_errors=True)
             for name in ("mask", "overlay", *(f"proba_{int(c)}" for c in classes)):
                 (folder / f"{stem}_{name}.ome.tif").unlink(missing_ok=True)
             raise
