@@ -206,8 +206,8 @@ def _streamed_view(path: Path, out_format: str):
 
     lazy = is_zarr_path(path) or path.suffix.lower() in TIFF_SUFFIXES
     image = open_image(path) if lazy else None
-    if image is not None and image.planes > 1:
-        return None  # a stack of slices: read whole, slice by slice
+    if image is not None and image.planes > 1 and not is_zarr_path(path):
+        return None  # a TIFF stack of slices: read whole, slice by slice (a zarr volume is refused by name)
     big = image is not None and (is_zarr_path(path) or image.shape[0] * image.shape[1] > WHOLE_PIXELS)
     if big and out_format in ("png", "tif"):
         raise ValueError(f"{path} is {image.shape[0]}×{image.shape[1]} px{' (zarr)' if is_zarr_path(path) else ''}: "
@@ -321,7 +321,7 @@ def _apply(args) -> int:
             first = streamed[path] if streamed[path] is not None else read(path)[0][0]
         except (OSError, ValueError):
             continue  # reported in the loop below
-        if isinstance(first, Exception):
+        if isinstance(first, Exception) or getattr(first, "planes", 1) > 1:
             continue
         seg.check_channels(first, str(path))
         break
