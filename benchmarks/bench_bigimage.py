@@ -138,7 +138,8 @@ def apply_runs(folder: Path, sizes, formats, repeat: int = 1) -> list[dict]:
                     raise RuntimeError(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
                 rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", err).group(1))
                 own = re.search(r"in ([\d.]+) s \(", err)
-                row = {"size": n, "format": fmt, "megapixels": round(n * n / 1e6, 2), "peak_rss_gb": round(rss_kb / 2**20, 3),
+                row = {"size": n, "format": fmt, "megapixels": round(n * n / 1e6, 2),
+                       "peak_rss_gb": round(rss_kb / 2**20, 3),
                        "wall_seconds": round(wall, 1), "segment_seconds": float(own.group(1)) if own else None,
                        "load_before": load_before, "load_after": _load()}
                 row["mp_per_s"] = round(row["megapixels"] / (row["segment_seconds"] or wall), 3)

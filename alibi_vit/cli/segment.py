@@ -5,6 +5,10 @@
     alibi-vit segment apply --model MODEL_DIR --images DIR_OR_FILES --out DIR
     alibi-vit segment benchmark (--synthetic | --train-images ... --train-masks ... --test-images ... --test-masks ...)
 
+TIFFs above 16.8 megapixels and zarr/OME-Zarr stores are read lazily and segmented tile by tile,
+their results written as OME-Zarr or tiled BigTIFF with pyramids (``--out-format``); training on
+them reads only the tiles that hold labels.
+
 Label images hold 0 for unlabelled pixels and a value per class, usually 1..K (single-channel or
 palette PNG/TIFF, the Weka/ilastik convention; JPEG is refused; multi-page TIFF stacks slice by slice); a label file pairs with the image of the same name, or of
 the same name plus ``_labels``/``_label``/``_mask``/``_masks``/``_gt``.
@@ -275,15 +279,29 @@ def _lazy_labels(path: Path):
     return read_labels(path)
 
 
+def _segment_streamed(seg, path: Path, image, dest: Path, name: str, args):
+    """Segment one image tile by tile into ``dest``; (class pixel counts, pixel count) for the CSV."""
+    from ..chunked import is_zarr_path
+    from ..trainable.stream import segment_to_files
+
+    fmt = args.out_format if args.out_format in STREAMED_FORMATS else "ome-zarr" if is_zarr_path(path) else "bigtiff"
+    started = time.perf_counter()
+    result = segment_to_files(seg, image, dest, _stem(path), fmt, proba=args.proba, overlays=not args.no_overlay)
+    seconds = time.perf_counter() - started
+    if result.note:
+        tqdm.write(f"note: {result.note}", file=sys.stderr)
+    tqdm.write(f"{name}: {result.size / 1e6:.1f} MP in {seconds:.1f} s ({result.size / 1e6 / seconds:.2f} MP/s) → "
+               + ", ".join(p.name for p in result.paths), file=sys.stderr)
+    return result.counts, result.size
+
+
 def _apply(args) -> int:
     import warnings
 
-    from ..chunked import is_zarr_path
     from ..images import ImageReadError, read_array, scale_colour
     from ..trainable import TrainableSegmenter
     from ..trainable.io import (area_fractions, list_image_files, overlay, read_slices, write_colour_key,
                                 write_fractions_csv, write_mask, write_proba)
-    from ..trainable.stream import segment_to_files
     from ..trainable.writers import OutputError
 
     files, where = [], {}  # where: image → (output folder, name in the CSV)
@@ -331,25 +349,15 @@ def _apply(args) -> int:
             failed.append(path.name)
             continue
         if streamed[path] is not None:
-            fmt = args.out_format if args.out_format in STREAMED_FORMATS else \
-                "ome-zarr" if is_zarr_path(path) else "bigtiff"
             try:
-                started = time.perf_counter()
-                result = segment_to_files(seg, streamed[path], where[path][0], _stem(path), fmt, proba=args.proba,
-                                          overlays=not args.no_overlay)
-                seconds = time.perf_counter() - started
+                counts.append(_segment_streamed(seg, path, streamed[path], *where[path], args))
             except OutputError:
                 raise
             except (OSError, ValueError) as err:  # a damaged tile: this image is skipped, the others go on
                 warnings.warn(f"skipped {path}: {err}")
                 failed.append(path.name)
                 continue
-            if result.note:
-                tqdm.write(f"note: {result.note}", file=sys.stderr)
-            tqdm.write(f"{where[path][1]}: {result.size / 1e6:.1f} MP in {seconds:.1f} s ({result.size / 1e6 / seconds:.2f} "
-                       f"MP/s) → {', '.join(p.name for p in result.paths)}", file=sys.stderr)
             names.append(where[path][1])
-            counts.append((result.counts, result.size))
             continue
         try:
             arrays, is_stack = read(path)

@@ -597,8 +597,8 @@ class TrainableSegmenter:
         chosen = None
         if counts.sum() > self.max_samples:
             rng = np.random.default_rng(self.seed)
-            chosen = [np.sort(rng.choice(n, q, replace=False)) for n, q in zip(counts, sample_quotas(counts,
-                                                                                                      self.max_samples))]
+            quotas = sample_quotas(counts, self.max_samples)
+            chosen = [np.sort(rng.choice(n, q, replace=False)) for n, q in zip(counts, quotas)]
         seen = np.zeros(len(classes), np.int64)  # pixels of each class in the tiles before this one
         X = Y = None
         row = 0
