@@ -214,3 +214,24 @@ def test_feature_cache_is_keyed_by_tile_and_bounded(big, tmp_path):
     hits = cache.hits
     cached.precompute(open_image(tmp_path / "a.tif"), first=(slice(300, 301), slice(300, 301)))
     assert cache.hits == hits
+
+
+def test_a_failed_chunk_write_leaves_the_chunk_written_before(tmp_path, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    from alibi_vit.trainable.writers import OutputError
+
+    out = ZarrOutput(tmp_path / "m.ome.zarr", (8, 8), np.uint8, 4)
+    first = np.arange(16, dtype=np.uint8).reshape(4, 4)
+    out.write((slice(0, 4), slice(0, 4)), first)
+
+    def full(self, target):  # the chunk's bytes went to a temporary file; moving it in place fails
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "replace", full)
+    with pytest.raises(OutputError, match=r"cannot write .*m\.ome\.zarr: No space left on device"):
+        out.write((slice(0, 4), slice(0, 4)), first + 100)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(open_image(tmp_path / "m.ome.zarr").read(slice(0, 4), slice(0, 4)), first)
+    assert not list((tmp_path / "m.ome.zarr").rglob("*.partial"))  # no temporary file left behind
