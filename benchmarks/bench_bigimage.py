@@ -138,11 +138,18 @@ def apply_runs(folder: Path, sizes, formats, repeat: int = 1) -> list[dict]:
                     raise RuntimeError(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
                 rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", err).group(1))
                 own = re.search(r"in ([\d.]+) s \(", err)
+                cpu = sum(float(re.search(rf"{kind} time \(seconds\): ([\d.]+)", err).group(1))
+                          for kind in ("User", "System"))  # the whole process, start-up included
+                own_cpu = re.search(r"MP/s, (\d+) CPU s\)", err)
                 row = {"size": n, "format": fmt, "megapixels": round(n * n / 1e6, 2),
                        "peak_rss_gb": round(rss_kb / 2**20, 3),
                        "wall_seconds": round(wall, 1), "segment_seconds": float(own.group(1)) if own else None,
+                       "process_cpu_seconds": round(cpu, 1),
+                       "segment_cpu_seconds": float(own_cpu.group(1)) if own_cpu else None,
                        "load_before": load_before, "load_after": _load()}
                 row["mp_per_s"] = round(row["megapixels"] / (row["segment_seconds"] or wall), 3)
+                if row["segment_cpu_seconds"]:  # load-independent: megapixels per CPU second
+                    row["mp_per_cpu_s"] = round(row["megapixels"] / row["segment_cpu_seconds"], 3)
                 rows.append(row)
                 print(row, flush=True)
                 with open(folder / "apply_runs.jsonl", "a") as f:

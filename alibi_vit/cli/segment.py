@@ -285,13 +285,13 @@ def _segment_streamed(seg, path: Path, image, dest: Path, name: str, args):
     from ..trainable.stream import segment_to_files
 
     fmt = args.out_format if args.out_format in STREAMED_FORMATS else "ome-zarr" if is_zarr_path(path) else "bigtiff"
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     result = segment_to_files(seg, image, dest, _stem(path), fmt, proba=args.proba, overlays=not args.no_overlay)
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     if result.note:
         tqdm.write(f"note: {result.note}", file=sys.stderr)
-    tqdm.write(f"{name}: {result.size / 1e6:.1f} MP in {seconds:.1f} s ({result.size / 1e6 / seconds:.2f} MP/s) → "
-               + ", ".join(p.name for p in result.paths), file=sys.stderr)
+    tqdm.write(f"{name}: {result.size / 1e6:.1f} MP in {seconds:.1f} s ({result.size / 1e6 / seconds:.2f} MP/s, "
+               f"{cpu:.0f} CPU s) → " + ", ".join(p.name for p in result.paths), file=sys.stderr)
     return result.counts, result.size
 
 
