@@ -167,13 +167,17 @@ def report(folder: Path, stem: str = "bigimage_cpu") -> None:
              "Classical features, XGBoost; mask and overlay written tile by tile (1036-px tiles); inputs 16-bit "
              "tiled BigTIFF (512² tiles, zlib) and OME-Zarr (512² chunks); `python benchmarks/bench_bigimage.py`. "
              "Load: the 1-minute load average before → after each run (the machine is shared). Segment time: the "
-             "command's own time for the image (no interpreter start-up); MP/s from it.", "",
-             "| size | input → output | MP | peak RSS (GB) | segment time (s) | MP/s | wall (s) | load |",
-             "|---|---|---|---|---|---|---|---|"]
+             "command's own time for the image (no interpreter start-up); MP/s from it. CPU s: the CPU time of "
+             "the image's segmentation (all threads), which the load of other jobs hardly changes.", "",
+             "| size | input → output | MP | peak RSS (GB) | segment time (s) | MP/s | CPU s | MP per CPU s | load |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         lines.append(f"| {r['size']}² | {r['format']} | {r['megapixels']} | {r['peak_rss_gb']:.2f} | "
-                     f"{r['segment_seconds']} | {r['mp_per_s']} | {r['wall_seconds']} | "
-                     f"{r['load_before'][0]} → {r['load_after'][0]} |")
+                     f"{r['segment_seconds']} | {r['mp_per_s']} | {r.get('segment_cpu_seconds', '–')} | "
+                     f"{r.get('mp_per_cpu_s', '–')} | {r['load_before'][0]} → {r['load_after'][0]} |")
+    notes = [f"- {r['size']}² {r['format']}: {r['note']}" for r in runs if r.get("note")]
+    if notes:
+        lines += [""] + notes
     if eq:
         lines += ["", f"Tiles against the whole image ({eq['size']}²; whole-image pass: one tile holding the image, "
                   f"{eq['whole_seconds']} s):", "",
