@@ -113,6 +113,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_interpreter
 from .alibi_bias import CODE_PAD, check_grid, check_metric, device_bias_lookup
 
 __all__ = ["BIAS_MODES", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "atomic_dq", "atomic_dq_enabled",
@@ -128,6 +129,8 @@ TAIL_N = tl.constexpr(16)
 _MAX_GRID_YZ = 65535
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if _INTERPRET:
+    triton_interpreter.patch()  # Triton 3.6's interpreter with numpy >= 2.4
 _AUTOTUNE = os.environ.get("ALIBI_TRITON_AUTOTUNE", "1") != "0"
 _ATOMIC_DQ = os.environ.get("ALIBI_TRITON_ATOMIC_DQ", "0") == "1"
 _HAS_BIAS = True  # False only inside bias_compiled_out() (a benchmark baseline)
