@@ -116,6 +116,9 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", type=Path, default=None,
                    help=f"where {STEM}_triton<version>.{{md,json}} go (default: benchmarks/results/)")
     p.add_argument("--jobs", type=int, default=1, help="compile this many kernels at once (processes)")
+    p.add_argument("--rerender", action="store_true",
+                   help="compile nothing: rewrite the Markdown of this Triton's results file in --out-dir from its JSON, "
+                        "with the other Triton's file as the second column (after that file changed)")
     p.add_argument("--smoke", action="store_true", help="not a measurement: write under benchmarks/results/smoke/")
     args = p.parse_args(argv)
     if args.jobs < 1:
@@ -405,9 +408,13 @@ def _label(r):
 
 
 def coverage(rows_or_plan) -> set:
-    """The cells a run covers: (head_dim, dtype, slopes, kernel, atomic dQ, config) of its rows or plan."""
-    return {(r["head_dim"], r["dtype"], r["slopes"], r["kernel"], bool(r["atomic_dq"]),
-             (r["block_m"], r["block_n"], r["num_warps"], r["num_stages"], r.get("maxnreg"))) for r in rows_or_plan}
+    """What a run covers: (head_dim, dtype, slopes, kernel, atomic dQ, "all" or "default" configs) of its rows or
+    plan. Which configs a kernel offers changes with the kernel; the scope of a run does not."""
+    groups = {}
+    for r in rows_or_plan:
+        key = (r["head_dim"], r["dtype"], r.get("slopes", "constant"), r["kernel"], bool(r.get("atomic_dq", False)))
+        groups[key] = groups.get(key, False) or not r["default"]
+    return {(*key, "all" if every else "default") for key, every in groups.items()}
 
 
 def plan(args):
@@ -430,21 +437,21 @@ def plan(args):
 
 def _plan_rows(cells):
     return [{"kernel": k, "atomic_dq": a, "head_dim": d, "dtype": dt, "slopes": sl, "block_m": c.kwargs["BLOCK_M"],
-             "block_n": c.kwargs["BLOCK_N"], "num_warps": c.num_warps, "num_stages": c.num_stages, "maxnreg": c.maxnreg}
-            for k, a, d, dt, sl, c, _ in cells]
+             "block_n": c.kwargs["BLOCK_N"], "num_warps": c.num_warps, "num_stages": c.num_stages, "maxnreg": c.maxnreg,
+             "default": default}
+            for k, a, d, dt, sl, c, default in cells]
 
 
 def smaller_than_existing(path: Path, cells) -> set:
-    """Cells of the results file at ``path`` that the planned run would not cover (empty: nothing is lost)."""
+    """What the results file at ``path`` covers that the planned run would not (empty: nothing is lost)."""
     if not path.is_file():
         return set()
     try:
-        existing = json.loads(path.read_text())["rows"]
+        existing = coverage(json.loads(path.read_text())["rows"])
     except (ValueError, KeyError):
         return set()
-    old = coverage({**r, "slopes": r.get("slopes", "constant"), "atomic_dq": r.get("atomic_dq", False)}
-                   for r in existing)
-    return old - coverage(_plan_rows(cells))
+    planned = coverage(_plan_rows(cells))
+    return {c for c in existing if (*c[:5], "all") not in planned and c not in planned}
 
 
 def find_comparison(out_dir: Path, version: str, explicit: Path | None):
@@ -537,6 +544,20 @@ def markdown(payload):
     return lines
 
 
+def rerender(out_dir: Path, version: str, compare: Path | None):
+    path = Path(out_dir) / f"{stem(version)}.json"
+    if not path.is_file():
+        raise SystemExit(f"bench_kernel_sass.py: no {path} to rerender")
+    payload = json.loads(path.read_text())
+    comparison = find_comparison(out_dir, version, compare)
+    lines = markdown({**payload, "comparison": comparison})
+    if comparison:
+        payload["comparison"] = {k: comparison[k] for k in ("triton", "torch", "date", "summary") if k in comparison}
+    md, js = write_report(out_dir, stem(version), payload, lines)
+    print(f"wrote {md} and {js}")
+    return payload
+
+
 class _Inline:
     """An executor that runs each task when it is submitted (--jobs 1)."""
 
@@ -596,6 +617,8 @@ def main(argv=None):
     except (FileNotFoundError, ImportError) as err:
         raise SystemExit(f"bench_kernel_sass.py: {err}") from None
     out_dir = args.out_dir if args.out_dir is not None else (RESULTS / "smoke" if args.smoke else RESULTS)
+    if args.rerender:
+        return rerender(out_dir, triton.__version__, args.compare)
     cells = plan(args)
     lost = smaller_than_existing(Path(out_dir) / f"{stem(triton.__version__)}.json", cells)
     if lost:

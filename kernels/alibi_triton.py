@@ -38,16 +38,18 @@ The bias is derived per tile, never materialised. Two interchangeable ways (``bi
   the compiler is told with ``max_contiguous``/``multiple_of`` hints. With one slope for all heads
   each call scales the pair table by ``m·log2(e)`` (``TABLE == 1``); with a slope per head the
   kernels gather from the cached unscaled table and multiply by their head's ``m_h·log2(e)``
-  (``TABLE == 2``), so no per-head table is built per call. Each program turns the codes of its
+  (``TABLE == 2``), so no per-head table is built per call; the backward kernels then form
+  ``m_h·log2(e)·B - lse`` first, so the bias costs two FFMAs per element, not FMUL, FFMA and FADD.
+  Each program turns the codes of its
   resident tile into pointers once, outside its loop (``Tbl + 2·a_i``, or ``Tbl + 2·(-b_j)`` in the
   dK/dV kernel). Per element pair that leaves one 64-bit add for the address, one 8-byte gathered
   load from a table that stays in L1/L2, and one add into the logits each — no abs/min/sqrt — which
   matters because at head_dim 64 the MUFU unit is already as busy with ``exp2`` as the tensor cores
   are with the two matmuls. The slope gradient (learned slopes only) needs ``B`` itself: the
   ``TABLE == 2`` kernels gather it anyway, a single learned slope gathers it from the
-  unscaled table as well. With one slope for every head (``slopes=None``, the default) the bias
-  is the same for all heads: forward and dQ programs then compute two heads (``HEAD_PAIR``) and
-  each gathered value serves both (16-bit inputs, head_dim <= 64, even head counts).
+  unscaled table as well. ``B`` itself is the same for all heads: forward and dQ programs compute
+  two heads (``HEAD_PAIR``), each gathered value serves both, each head applying its own factor
+  (16-bit inputs, head_dim <= 64, even head counts).
 * ``"sqrt"``: rows and columns per token, then ``|Δ|``, wrap, ``sqrt`` per element. No
   gathered loads, but ~12 ALU ops and a second MUFU op per element. A reference only, never
   the default (``ALIBI_TRITON_BIAS=sqrt`` or ``bias_mode="sqrt"``): compiled for sm_90 it issues
@@ -56,8 +58,8 @@ The bias is derived per tile, never materialised. Two interchangeable ways (``bi
 Codes / rows / columns per token are precomputed once per grid as an int32 (2, N) array, so
 the kernels do no integer division in their inner loops.
 
-Backward (non-causal; by default without atomics, so bitwise deterministic for a given block
-configuration):
+Backward (non-causal), in one of two forms. The two-kernel form runs without atomics, so it is
+bitwise deterministic for a given block configuration:
 
 1. ``Δ_i = Σ_d O_id·dO_id`` (preprocess kernel), written with a copy of lse into rows padded to a
    multiple of CODE_PAD (lse = +inf, Δ = 0 past N), so the other kernels load both without masks.
@@ -69,15 +71,21 @@ configuration):
 3. dQ kernel: a program keeps one query tile and loops over key tiles: ``dQ += dS K · scale``.
    Skipped entirely when q needs no gradient.
 
-Opt-in atomic dQ (``ALIBI_TRITON_ATOMIC_DQ=1``; ignored under
-``torch.use_deterministic_algorithms(True)``): the dK/dV kernel also forms each tile's ``dS K`` and
-adds it into an fp32 dQ buffer with atomic adds, and step 3 is skipped — five matmuls per tile pair
-instead of seven, no second pass over QKᵀ, exp and the bias, at the price of an fp32 (B, heads, N, D)
-buffer and a summation order (so dQ's last bits) that varies from run to run.
+The atomic-dQ form: the dK/dV kernel also forms each tile's ``dS K`` and adds it into an fp32 dQ
+buffer with atomic adds, and step 3 is skipped — five matmuls per tile pair instead of seven, no
+second pass over QKᵀ, exp and the bias, at the price of an fp32 (B, heads, N, D) buffer and a
+summation order (so dQ's last bits) that varies from run to run. It is the default for 16-bit inputs
+with head_dim <= 64, where the SASS proxy puts its serial bound at about 0.8x the two-kernel form's
+for every slope kind without spills (:func:`atomic_dq_default`); at head_dim 128 its dK/dV kernel
+spills, so the two-kernel form stays. ``ALIBI_TRITON_ATOMIC_DQ=0`` (or :func:`atomic_dq` ``(False)``)
+selects the two-kernel form everywhere, ``=1`` the atomic one; ``torch.use_deterministic_algorithms(True)``
+always gets the two-kernel form.
 
 Static cost (``benchmarks/bench_kernel_sass.py``): every kernel has a constexpr ``HAS_BIAS``
 (default True) that compiles the bias out; the benchmark compiles both for sm_90 without a GPU
-and compares SASS instructions per score, registers, spills and CTAs per SM like for like.
+and compares SASS instructions per score, registers, spills and CTAs per SM like for like, for
+constant, per-head and learned slopes. Launch configs that ptxas would fill to its 255-register
+limit carry a ``maxnreg`` cap under which they compile to the same loop without spills.
 
 Inputs: inside ``torch.autocast`` the op runs in the autocast dtype (like SDPA). fp32 inputs use
 exact fp32 products under ``torch.get_float32_matmul_precision() == "highest"`` (a correctness
@@ -88,13 +96,15 @@ O(heads·h·w) tables — all O(N). Inputs may have any strides (e.g. q, k, v as
 qkv projection); ``O`` and the gradients are written in (B, N, heads, D) memory order, so a
 following ``transpose(1, 2).reshape(B, N, heads·D)`` is free.
 
-Determinism and autotuning: by default every kernel writes its outputs exactly once (no atomics,
-no split reductions), so repeated calls in one process are bitwise identical. With autotuning on
-(the default on GPU) the chosen block sizes can differ between processes or machines, and
-with them the summation order; ``ALIBI_TRITON_AUTOTUNE=0`` pins one configuration per
-head_dim for bitwise reproducibility across runs. Tuning is keyed by the power-of-two bucket of N
-(:func:`n_bucket`), not N itself, and its results are cached on disk across processes. Under
-``TRITON_INTERPRET=1`` a single small configuration is used so CPU tests stay fast.
+Determinism and autotuning: the forward and the two-kernel backward write every output exactly once
+(no atomics, no split reductions), so repeated calls in one process are bitwise identical; the
+atomic-dQ backward is so for dK, dV and the slopes, not dQ. With autotuning on (the default on GPU)
+the chosen block sizes can differ between processes or machines, and with them the summation order;
+``ALIBI_TRITON_AUTOTUNE=0`` pins one configuration per kernel and call class for bitwise
+reproducibility across runs. Tuning is keyed by the power-of-two buckets of N (:func:`n_bucket`) and
+of batch·heads (:func:`work_bucket`), the slope kind, the bias (so the bias-free benchmark baseline
+tunes on its own) and the backward's form, and its results are cached on disk across processes.
+Under ``TRITON_INTERPRET=1`` a single small configuration is used so CPU tests stay fast.
 
 The op is registered with ``torch.library`` (``alibi_vit::alibi_attention_fwd`` and
 ``alibi_vit::alibi_attention_bwd`` with fake implementations and an autograd formula), so
