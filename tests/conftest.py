@@ -31,3 +31,13 @@ def no_network(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", unreachable)
     monkeypatch.setattr(timm_hub, "hf_hub_download", no_download)
     return calls
+
+
+@pytest.fixture
+def one_thread():
+    """BLAS and OpenMP pools (faiss's, scikit-learn's) at one thread: their threads busy-wait at every barrier, so on
+    a loaded 2-core machine the tests' tiny k-means runs took 10-100x longer with two threads than with one."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1):
+        yield
