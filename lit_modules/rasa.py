@@ -296,7 +296,7 @@ class RASAModule(L.LightningModule):
 
         scores = {"val/oc_miou_cleaned": miou(collected["cleaned"])}
         if "raw" in collected:
-            fingerprint = (collected["raw"].shape, float(collected["raw"].astype(np.float64).sum()))
+            fingerprint = (collected["raw"].shape, float(np.sum(collected["raw"], dtype=np.float64)))
             if self._raw_oc is None or self._raw_oc[0] != fingerprint:  # the same images every round: once
                 self._raw_oc = (fingerprint, miou(collected["raw"]))
             scores["val/oc_miou_raw"] = self._raw_oc[1]

@@ -35,9 +35,17 @@ def no_network(monkeypatch, tmp_path):
 
 @pytest.fixture
 def one_thread():
-    """BLAS and OpenMP pools (faiss's, scikit-learn's) at one thread: their threads busy-wait at every barrier, so on
-    a loaded 2-core machine the tests' tiny k-means runs took 10-100x longer with two threads than with one."""
+    """BLAS and OpenMP pools at one thread, torch's included (faiss's OpenMP calls can run on torch's runtime, which
+    torch sets to its own thread count at its first parallel operation). OpenMP threads busy-wait at every barrier:
+    on a loaded 2-core machine the tests' tiny k-means runs took 10-50x longer with two threads than with one."""
+    import faiss  # noqa: F401  (threadpoolctl limits only the libraries already loaded)
+    import sklearn.cluster  # noqa: F401
     from threadpoolctl import threadpool_limits
 
-    with threadpool_limits(1):
-        yield
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with threadpool_limits(1):
+            yield
+    finally:
+        torch.set_num_threads(threads)

@@ -328,3 +328,13 @@ def test_rasa_recipe_needs_maps_and_masks():
         overclustering_seeds(features, labels, 4, 4, recipe="rasa")
     with pytest.raises(ValueError, match="unknown OverClustering recipe 'faiss'"):
         overclustering_seeds(features, labels, 4, 4, recipe="faiss")
+
+
+def test_benchmark_recipe_run_reports_its_sizes():
+    from tests.helpers import benchmark_module
+
+    bench = benchmark_module("bench_overclustering")
+    run = bench.run_recipe("rasa", dim=64, smoke=True)  # 4 images of 4×4 patches, masks 28×28: pixels clustered
+    assert run["points"] == 4 * 28 * 28 and [r["k"] for r in run["runs"]] == [21, 30]
+    assert run["computed_points_mb"] == pytest.approx(4 * 28 * 28 * 50 * 4 / 2**20, abs=0.5)
+    assert all(0 < r["mIoU"] <= 1 for r in run["runs"])
