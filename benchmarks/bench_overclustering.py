@@ -117,8 +117,8 @@ def run_recipe(recipe: str, dim: int, smoke: bool) -> dict:
         runs.append({"k": k, "seconds_per_seed": round(time.perf_counter() - t0, 1), "mIoU": round(summary.miou, 4)})
         print(f"{recipe} k={k}: {runs[-1]['seconds_per_seed']} s, mIoU {summary.miou:.4f}", flush=True)
     points, width = reduced.points.shape[0], features.shape[-1]
-    fit_rows = points if RECIPES[recipe].pca_rows is None or recipe == "kmeans++" else min(points,
-                                                                                          RECIPES[recipe].pca_rows)
+    pca_rows = RECIPES[recipe].pca_rows  # leopart: every row; rasa: the first 4 M; kmeans++: 200,000 random rows
+    fit_rows = points if pca_rows is None else min(points, pca_rows)
     return {"recipe": recipe, "images": images, "grid": grid, "mask": mask, "dim": width, "points": points,
             "feature_mb_float16": round(features.nbytes / 2**20, 1), "rss_with_features_mb": round(held, 0),
             "reduce_s": round(reduce_s, 1), "runs": runs, "peak_above_features_mb": round(peak_rss_mb() - held, 0),

@@ -335,14 +335,15 @@ class RASAModule(L.LightningModule):
 
     def selected_round(self) -> tuple[int, str]:
         """(rounds to fold in, why): the round of highest ``val/oc_miou_cleaned`` (the earliest of ties) with
-        ``select_round="best"`` when every finished round has it, else all finished rounds."""
+        ``select_round="best"`` when every finished round was validated at its end, else all finished rounds."""
         key = "val/oc_miou_cleaned"
         history = self.round_history[:self.round]
-        if self.hparams.select_round == "best" and history and all(key in h for h in history):
+        scored = all(key in h and h.get("val/round", h["round"]) == h["round"] for h in history)  # none stale
+        if self.hparams.select_round == "best" and history and scored:
             best = max(history, key=lambda h: (h[key], -h["round"]))
             return best["round"], f"highest {key}"
         if self.hparams.select_round == "best":
-            return self.round, f"last round (no {key}: no labelled validation)"
+            return self.round, f"last round (not every round has its own {key}: no labelled validation at its end)"
         return self.round, "last round (select_round=last)"
 
     def folded_backbone(self, rounds: int | None = None) -> nn.Module:

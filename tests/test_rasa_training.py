@@ -243,6 +243,11 @@ def test_round_selection_by_hand():
     module.hparams.select_round = "best"
     module.round_history = [{"round": 1}, {"round": 2}, {"round": 3}]  # validation without labels
     assert module.selected_round()[0] == 3
+    # a round not validated at its end carries the previous validation's metrics: no selection on stale numbers
+    module.round_history = [{"round": 1, "val/round": 1.0, "val/oc_miou_cleaned": 0.5},
+                            {"round": 2, "val/round": 1.0, "val/oc_miou_cleaned": 0.5}]
+    module.planes = torch.zeros(2, 2, 48)
+    assert module.selected_round()[0] == 2
 
 
 @pytest.mark.filterwarnings("ignore:.*does not have many workers")
