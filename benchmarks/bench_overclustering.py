@@ -1,4 +1,4 @@
-"""Time and memory of OverClustering's recipes (README.md "Method" §9) at the sizes their references run.
+"""Time and memory of OverClustering's recipes (docs/method.md §9) at the sizes their references run.
 
 Features are what ``alibi-vit overcluster`` holds after the backbone pass, float16 (B, h, w, C) maps
 with their label masks, but synthetic (21 classes as rectangles on background, three sub-centres per

@@ -1,4 +1,4 @@
-"""OverClustering mIoU (README.md "Method" §9) on features and clusters whose answer is known, and its recipes
+"""OverClustering mIoU (docs/method.md §9) on features and clusters whose answer is known, and its recipes
 against small transcriptions of the reference implementations (Leopart's and the RASA reference's faiss calls)."""
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""OverClustering: k-means on frozen patch features, clusters mapped to classes (README.md "Method" §9).
+"""OverClustering: k-means on frozen patch features, clusters mapped to classes (docs/method.md §9).
 
 Three recipes (:data:`RECIPES`); the first two are the reference implementations' own, so their
 numbers compare with those references' tables, the third is not comparable with any:
@@ -538,7 +538,7 @@ def overclustering(features, labels, k: int, num_classes: int, seed: int = 0, ig
 
 def overclustering_miou(features, labels, k: int, num_classes: int, seed: int = 0,
                         ignore_index: int = IGNORE_INDEX, absent: str = "zero", recipe="leopart") -> float:
-    """OverClustering mIoU (README.md "Method" §9) of one k-means seed; inputs as :func:`overclustering_seeds`."""
+    """OverClustering mIoU (docs/method.md §9) of one k-means seed; inputs as :func:`overclustering_seeds`."""
     return overclustering(features, labels, k, num_classes, seed=seed, ignore_index=ignore_index, absent=absent,
                           recipe=recipe).miou
 

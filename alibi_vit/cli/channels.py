@@ -1,7 +1,7 @@
 """``alibi-vit channels``: a teacher's most positional channels, ranked by per-channel positional R².
 
 For each model, the patch features of the images (the final map, or block ``--layer``) are
-probed one channel at a time (README.md "Method" §5: held-out R² of a fit of the position
+probed one channel at a time (docs/method.md §5: held-out R² of a fit of the position
 target from that channel alone — standardised, ridge α = 1 as the authors' notebook, or
 ``--fit lstsq`` — averaged over samplings and images). The images are probed at their native size
 (centre-cropped to a multiple of the patch size), as the authors' notebook does, and noise at 518
@@ -9,12 +9,12 @@ px (512 for patch-16 models); ``--size N`` resizes them all to N px instead. By 
 (``--target ramps``) the channels are ranked once per ramp (``--ramps``: x, y, diag, radial) and the
 rule's list is the union of each ramp's top ``--top`` (2); ``--target xy`` (or any one target)
 ranks once and takes its top ``--top``. The command prints the rule and its list as found, and the
-list sorted as ``blank_channels`` for a distillation teacher (README.md "Method" §4); every
+list sorted as ``blank_channels`` for a distillation teacher (docs/method.md §4); every
 channel's rank per target goes to ``--out`` (CSV).
 
 On the authors' stored DINOv2-S rankings the default rule gives 117, 359, 345, 47, 113; the lists
 the authors blank (47, 117, 359; 47, 113, 117, 359; 47, 89, 113, 359) and the rules that give
-them are in the README ("Most positional channels").
+them are in docs/probe.md ("Most positional channels").
 """
 
 from __future__ import annotations
