@@ -266,7 +266,8 @@ class RASADataModule(L.LightningDataModule):
             self.setup("fit")
         trainer = self.trainer  # None when the datamodule is used on its own
         replicas = dict(num_replicas=trainer.world_size, rank=trainer.global_rank) if trainer is not None else {}
-        sampler = SeededSampler(self.train_set, self.samples_per_epoch, seed=self.seed, shuffle=self.shuffle, **replicas)
+        sampler = SeededSampler(self.train_set, self.samples_per_epoch, seed=self.seed, shuffle=self.shuffle,
+                                **replicas)
         per_process = max(1, self.batch_size // sampler.num_replicas)
         return DataLoader(self.train_set, batch_size=per_process, sampler=sampler, drop_last=self.drop_last,
                           num_workers=self.num_workers, pin_memory=self.pin_memory and torch.cuda.is_available(),

@@ -45,10 +45,11 @@ rebuilds it.
 
 Data: :class:`datamodules.rasa.RASADataModule` (the reference's VOC train images and augmentations;
 ``configs/rasa.yaml``), any of the image datamodules (batches of images), or a segmentation
-datamodule (its labels serve only the OverClustering scores). With ``feature_cache_dir`` and a segmentation datamodule (e.g.
-``COCOStuffSegmentation`` for COCO images, ``VOCSegmentation``) the backbone runs once per image
-and later epochs read float16 features from disk, exactly as the segmentation probe caches them
-(same files, same keys: a probe's cache of the same backbone is reused).
+datamodule (its labels serve only the OverClustering scores). With ``feature_cache_dir`` and a
+segmentation datamodule (e.g. ``COCOStuffSegmentation`` for COCO images, ``VOCSegmentation``) the
+backbone runs once per image and later epochs read float16 features from disk, exactly as the
+segmentation probe caches them (same files, same keys: a probe's cache of the same backbone is
+reused).
 """
 
 from __future__ import annotations

@@ -12,9 +12,8 @@ ranks once and takes its top ``--top``. The command prints the rule and its list
 list sorted as ``blank_channels`` for a distillation teacher (docs/method.md §4); every
 channel's rank per target goes to ``--out`` (CSV).
 
-On the authors' stored DINOv2-S rankings the default rule gives 117, 359, 345, 47, 113; the lists
-the authors blank (47, 117, 359; 47, 113, 117, 359; 47, 89, 113, 359) and the rules that give
-them are in docs/probe.md ("Most positional channels").
+Which rule gives which of the authors' blanked lists: :mod:`alibi_vit.analysis.channels` and
+docs/probe.md ("Most positional channels").
 """
 
 from __future__ import annotations

@@ -118,7 +118,8 @@ def recipe_settings(args) -> dict:
     recipe = RECIPES[args.recipe]
     size = recipe.image_size if args.size is None else args.size
     max_images = recipe.max_images if args.max_images is None else args.max_images
-    return {"size": size, "mask_size": args.mask_size or recipe.mask_size or size,
+    mask_size = args.mask_size if args.mask_size is not None else recipe.mask_size or size
+    return {"size": size, "mask_size": mask_size,
             "seeds": tuple(recipe.seeds if args.seeds is None else args.seeds),
             "max_images": None if max_images == "all" else max_images}
 
