@@ -27,9 +27,9 @@ by the proxy. None of it is a timing.
 
 Needs a separate environment (flash-attn-4 pins its own CuTe DSL; Triton only for cuobjdump/ptxas)::
 
-    python3 -m venv /work/venvs/fa4 && /work/venvs/fa4/bin/pip install torch==2.13.0 triton==3.6.0 numpy \\
+    python3 -m venv ~/venvs/fa4 && ~/venvs/fa4/bin/pip install torch==2.13.0 triton==3.6.0 numpy \\
         flash-attn-4==4.0.0b36 nvidia-cutlass-dsl
-    PYTHONPATH=. /work/venvs/fa4/bin/python benchmarks/bench_fa4_sass.py
+    PYTHONPATH=. ~/venvs/fa4/bin/python benchmarks/bench_fa4_sass.py
 
 Results: ``benchmarks/results/fa4_sass_sm90.{md,json}``.
 """

@@ -15,8 +15,8 @@ The SASS depends on the Triton version (its passes and its bundled ptxas), so re
 by it: ``benchmarks/results/kernel_sass_sm90_triton<major.minor>.{md,json}``. Measure with the
 Triton the GPU machines run (3.6); a second environment gives it on any CPU machine::
 
-    python3 -m venv /work/venvs/t36 && /work/venvs/t36/bin/pip install torch==2.13.0 triton==3.6.0 numpy
-    PYTHONPATH=. /work/venvs/t36/bin/python benchmarks/bench_kernel_sass.py --head-dims 64 128 --dtypes bfloat16
+    python3 -m venv ~/venvs/t36 && ~/venvs/t36/bin/pip install torch==2.13.0 triton==3.6.0 numpy
+    PYTHONPATH=. ~/venvs/t36/bin/python benchmarks/bench_kernel_sass.py --head-dims 64 128 --dtypes bfloat16
 
 (pip resolves ``torch==2.13.0`` to its CPU build, ``2.13.0+cpu``, which compiles for sm_90
 through Triton without a GPU). A results file of another Triton version in the same folder is
@@ -370,7 +370,8 @@ def summarise(rows, atomic_default=None):
     for d, dt, sl in sorted({k[:3] for k in sel}, key=lambda k: (k[0], k[1], SLOPES.index(k[2]))):
         def get(kernel, atomic, variant, _sl=sl):
             fwd_slopes = "per-head" if (kernel == "fwd" and _sl == "learned") else _sl
-            return sel.get((d, dt, _sl, kernel, atomic, variant)) or sel.get((d, dt, fwd_slopes, kernel, atomic, variant))
+            return (sel.get((d, dt, _sl, kernel, atomic, variant))
+                    or sel.get((d, dt, fwd_slopes, kernel, atomic, variant)))
 
         entry = {"head_dim": d, "dtype": dt, "slopes": sl,
                  "default_backward": "atomic" if atomic_default(d, dt) else "two-kernel"}

@@ -144,10 +144,10 @@ if _INTERPRET:
 _AUTOTUNE = os.environ.get("ALIBI_TRITON_AUTOTUNE", "1") != "0"
 # ALIBI_TRITON_ATOMIC_DQ: "auto" (the measured default, atomic_dq_default), "1" always, "0" never.
 _ATOMIC_DQ_SETTINGS = {"auto": None, "1": True, "0": False}
-if os.environ.get("ALIBI_TRITON_ATOMIC_DQ", "auto") not in _ATOMIC_DQ_SETTINGS:
-    raise ValueError(f"ALIBI_TRITON_ATOMIC_DQ must be one of {tuple(_ATOMIC_DQ_SETTINGS)}, "
-                     f"got {os.environ['ALIBI_TRITON_ATOMIC_DQ']!r}")
-_ATOMIC_DQ = _ATOMIC_DQ_SETTINGS[os.environ.get("ALIBI_TRITON_ATOMIC_DQ", "auto")]
+_ATOMIC_DQ_SETTING = os.environ.get("ALIBI_TRITON_ATOMIC_DQ", "auto")
+if _ATOMIC_DQ_SETTING not in _ATOMIC_DQ_SETTINGS:
+    raise ValueError(f"ALIBI_TRITON_ATOMIC_DQ must be one of {tuple(_ATOMIC_DQ_SETTINGS)}, got {_ATOMIC_DQ_SETTING!r}")
+_ATOMIC_DQ = _ATOMIC_DQ_SETTINGS[_ATOMIC_DQ_SETTING]
 _HAS_BIAS = True  # False only inside bias_compiled_out() (a benchmark baseline)
 DEFAULT_BIAS_MODE = os.environ.get("ALIBI_TRITON_BIAS", "table")
 if DEFAULT_BIAS_MODE not in BIAS_MODES:
@@ -159,7 +159,8 @@ if DEFAULT_BIAS_MODE not in BIAS_MODES:
 # --------------------------------------------------------------------------------------------
 
 def _cfg(block_m, block_n, warps, stages, maxnreg=None):
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages, maxnreg=maxnreg)
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages,
+                         maxnreg=maxnreg)
 
 
 # Launch configs per kernel and call class, in order of preference: with ALIBI_TRITON_AUTOTUNE=0
@@ -924,8 +925,8 @@ def _fwd_args(q, k, v, o, lse, slopes, geometry, wrap, use_table):
     code_stride = codes.stride(0)
     table = _table_mode(slopes, use_table)
     args = (q, k, v, o, lse, _per_head(slopes, heads), codes, _scaled_table(pair_tbl if table else tbl, slopes, table),
-            *_strides(q), *_strides(k), *_strides(v), *_strides(o), heads, n, n_bucket(n), work_bucket(bsz, heads), h, w,
-            code_stride, LOG2E / math.sqrt(d), LOG2E * bias_norm)
+            *_strides(q), *_strides(k), *_strides(v), *_strides(o), heads, n, n_bucket(n), work_bucket(bsz, heads),
+            h, w, code_stride, LOG2E / math.sqrt(d), LOG2E * bias_norm)
     return args, dict(HEAD_DIM=d, TABLE=table, WRAP=wrap, COMPUTE_DSLOPE=False, DOT_PREC=_dot_precision(q.dtype),
                       HEAD_PAIR=head_pair(q, slopes, use_table))
 

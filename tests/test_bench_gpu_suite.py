@@ -46,9 +46,8 @@ def _smoke(env, *phases):
     proc = subprocess.run(["bash", str(SUITE), "--smoke", *phases], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     out = Path(env["OUT"])
-    status = json.loads((out / "gpu_suite_cpu-smoke.json").read_text()) if (out / "gpu_suite_cpu-smoke.json").is_file() \
-        else {}
-    return proc, out, status
+    status_file = out / "gpu_suite_cpu-smoke.json"
+    return proc, out, json.loads(status_file.read_text()) if status_file.is_file() else {}
 
 
 def _check_phase(out, status, phase):

@@ -366,7 +366,7 @@ def test_atomic_dq_by_default_for_16_bit_head_dim_up_to_64(monkeypatch):
             assert not at.atomic_dq_enabled(q(64, torch.bfloat16))
 
 
-def test_atomic_dq_setting_is_checked(tmp_path):
+def test_atomic_dq_setting_is_checked():
     import subprocess
     import sys
 
