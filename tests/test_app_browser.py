@@ -390,11 +390,11 @@ def test_bad_input_shows_the_servers_message(micrograph, servers, new_page, tmp_
     assert server.alive()
     assert server.json("GET", "/api/state")["model"] is None
 
-    # A good upload: the image is listed and shown.
+    # A good upload (16-bit grey, as the session's images): the image is listed and shown.
     from PIL import Image
 
     png = io.BytesIO()
-    Image.fromarray((np.arange(64 * 80) % 251).reshape(64, 80).astype(np.uint8)).save(png, "PNG")
+    Image.fromarray((np.arange(64 * 80) * 13 % 4001).reshape(64, 80).astype(np.uint16)).save(png, "PNG")
     page.set_input_files("#upload", files=[{"name": "small grey.png", "mimeType": "image/png", "buffer": png.getvalue()}])
     page.wait_for_function("() => window.appTimings.some(t => t.event === 'image_shown' && t.width === 80)")
     images = server.json("GET", "/api/state")["images"]
