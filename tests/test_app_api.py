@@ -713,9 +713,9 @@ def test_session_files_get_the_permissions_of_any_new_file(tmp_path, micrograph,
     finally:
         os.umask(old)
     files = [p for p in (tmp_path / "session").rglob("*") if p.is_file()]
+    assert {p.name: p.stat().st_mode & 0o777 for p in files} == {p.name: want for p in files}
     assert {p.relative_to(tmp_path / "session").parts[0] for p in files} >= {"session.json", "labels", "strokes",
                                                                              "uploads", "model"}
-    assert {p.name: p.stat().st_mode & 0o777 for p in files} == {p.name: want for p in files}
 
 
 def test_api_md_documents_every_endpoint(micrograph, start):
@@ -731,3 +731,66 @@ def test_api_md_documents_every_endpoint(micrograph, start):
     assert len(routes) > 15
     missing = [f"{m} {p}" for m, p in routes if not re.search(rf"`{m} {re.escape(p)}[`? ]", api_md)]
     assert not missing, f"API.md does not document {missing}"
+
+
+# ---------------------------------------------------------------------- the worker's scheduling (item 12)
+def test_scheduler_runs_by_priority_coalesces_and_supersedes():
+    from alibi_vit.app.scheduler import Cancelled, Scheduler
+
+    scheduler = Scheduler()
+    try:
+        gate, ran = threading.Event(), []
+        scheduler.submit("gate", gate.wait, 0, keep=True)   # holds the worker while the rest is queued
+        background = scheduler.submit("b", lambda: ran.append("background"), 2, keep=True)
+        shown = scheduler.submit("s", lambda: ran.append("shown"), 1)
+        first = scheduler.submit("train", lambda: ran.append("train 1"), 0, replace=True)
+        again = scheduler.submit("s", lambda: ran.append("shown twice"), 0)   # joins, and raises its priority
+        newest = scheduler.submit("train", lambda: ran.append("train 2") or "model", 0, replace=True)
+        assert again is shown and shown.waiters == 2
+        with pytest.raises(Cancelled, match="superseded"):
+            first.future.result(timeout=5)
+        gate.set()
+        assert newest.future.result(timeout=5) == "model"
+        background.future.result(timeout=5)
+        assert ran == ["shown", "train 2", "background"]   # shown was raised to 0 before train 2 was queued
+    finally:
+        scheduler.close()
+
+
+def test_scheduler_drops_work_nobody_waits_for_and_background_work_gives_way():
+    from alibi_vit.app.scheduler import Cancelled, Scheduler
+
+    scheduler = Scheduler()
+    try:
+        gate, events = threading.Event(), []
+        scheduler.submit("gate", gate.wait, 0, keep=True)
+        abandoned = scheduler.submit("p", lambda: events.append("abandoned ran"), 0)
+        scheduler.release(abandoned)   # its only requester went away before it started
+        with pytest.raises(Cancelled, match="nobody waits"):
+            abandoned.future.result(timeout=5)
+
+        started = threading.Event()
+
+        def long_background():   # ten tiles, a checkpoint after each
+            for tile in range(10):
+                started.set()
+                events.append(f"tile {tile}")
+                time.sleep(0.02)
+                scheduler.checkpoint()
+            return "features"
+
+        def tiles_done():
+            return [e for e in events if e.startswith("tile")]
+
+        background = scheduler.submit("features", long_background, 2, keep=True)
+        gate.set()
+        started.wait(5)
+        urgent = scheduler.submit("train", lambda: events.append(f"train after {len(tiles_done())} tiles"), 0)
+        assert background.future.result(timeout=10) == "features"
+        urgent.future.result(timeout=5)
+        train_at = next(e for e in events if e.startswith("train"))
+        assert int(train_at.split()[2]) < 10   # it ran between the tiles, not after all of them
+        assert len(set(tiles_done())) == 10   # and the background job still finished all its tiles
+        assert "abandoned ran" not in events
+    finally:
+        scheduler.close()
