@@ -7,8 +7,8 @@ saving the model (``SHOWN``), then the features of images opened earlier and Pre
 urgent, so a Train waits only for the features of the images it trains on, however large an image
 opened before is. Features are cached (:class:`~alibi_vit.trainable.cache.FeatureCache`, keyed by
 pixels), so retraining after a stroke costs the classifier fit and one prediction; an image whose
-features would not fit in the cache is not precomputed and is predicted without it (it would only
-evict the features of every other image).
+features would take more than half the cache is not precomputed and is predicted without it (it
+would evict the features of every other image, those Train needs among them).
 
 Each trained model is saved in the session folder (:mod:`~alibi_vit.app.model_store`) and restored
 by a restarted app. Save jobs run on their own thread with a copy of that saved model (exactly what
@@ -94,10 +94,14 @@ class Engine:
         self._display: OrderedDict[str, bytes] = OrderedDict()
         self.store = ModelStore(session.folder / "model")
         self.notes: list[str] = []  # shown in the page: what the engine could not do at start
+        self._closed = False
         self._restore_model()
 
     def close(self) -> None:
         """Stop: jobs and background work are cancelled; the last model is saved first."""
+        if self._closed:
+            return
+        self._closed = True
         for job in self.jobs.values():
             job.cancelled.set()
         self.scheduler.cancel(lambda key: key[0] != "persist", "the server is shutting down")
@@ -215,7 +219,9 @@ class Engine:
         return int(np.prod(shape[:2])) * channels * len(classical_feature_names(DEFAULT_SIGMAS)) * 4
 
     def _fits_cache(self, image_id: str) -> bool:
-        return self._feature_bytes(image_id) <= self.cache.max_bytes
+        """Whether an image's features are worth caching: at most half the cache, so that keeping them
+        does not evict the features of every other image (those Train needs after each stroke)."""
+        return self._feature_bytes(image_id) <= self.cache.max_bytes / 2
 
     def open(self, image_id: str) -> dict:
         """The image is on screen: its features are computed before those of images opened earlier
@@ -229,9 +235,9 @@ class Engine:
         if not self._fits_cache(image_id):
             state = self.features[image_id] = {
                 "state": "on demand", "progress": 0.0, "error": None,
-                "note": f"its features ({self._feature_bytes(image_id) / 2**30:.1f} GB) exceed the feature cache "
-                        f"({self.cache.max_bytes / 2**30:.1f} GB, --cache-gb): they are computed when it is "
-                        "trained on or predicted, not kept"}
+                "note": f"its features ({self._feature_bytes(image_id) / 2**30:.1f} GB) would take more than half "
+                        f"the feature cache ({self.cache.max_bytes / 2**30:.1f} GB, --cache-gb): they are computed "
+                        "when it is trained on or predicted, and not kept"}
             return state
         if state["state"] != "running":
             state = self.features[image_id] = {"state": "running", "progress": 0.0, "error": None, "note": None}
