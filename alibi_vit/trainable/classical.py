@@ -1,4 +1,4 @@
-"""Classical per-pixel features: the Weka "trainable segmentation" set (README.md "Method" §7).
+"""Classical per-pixel features: the Weka "trainable segmentation" set (docs/method.md §7).
 
 For each σ in ``sigmas`` (0 = the image itself) the image is blurred with a Gaussian of
 σ·``sigma_scale`` px (Weka's 0.4 scaling), and from each blur come: the blur, its gradient

@@ -1,6 +1,6 @@
 """``TrainableSegmenter``: Weka/ilastik-style pixel classification on classical ⊕ ViT features.
 
-The method: README.md "Method" §7.
+The method: docs/method.md §7.
 
 Images go in as arrays ((H, W) of any integer or float dtype, or RGB) and are scaled to [0, 1] by
 ``intensity`` (by default black and white points fitted once on the training images and stored
@@ -36,7 +36,7 @@ READABLE_FORMATS = (1, 2)
 # the others scale each image by itself (alibi_vit.images).
 INTENSITY = ("training",) + INTENSITY_MODES
 COLOUR = ("channels", "grey")
-# crf=True means this preset: "paper" edged "library" on the synthetic scribble benchmark (README §7).
+# crf=True means this preset: "paper" edged "library" on the synthetic scribble benchmark (docs/method.md §7).
 DEFAULT_CRF_PRESET = "paper"
 CRF_OVERLAP = 128  # px of context on each side of a CRF tile
 CHANNEL_NAMES = ("r", "g", "b")
