@@ -569,7 +569,7 @@ def test_a_flood_of_train_requests_is_coalesced_and_abandoned_ones_dropped(tmp_p
         client.post("/api/images/m0/strokes", json={"class": value, "radius": 1.5, "points": points})
     base, stop = _serve(create_app(session, engine))
     gate = threading.Event()
-    engine.submit(("busy",), gate.wait, 0, keep=True)   # the worker is busy (a long feature job, say)
+    engine.scheduler.submit(("busy",), gate.wait, 0, keep=True)   # the worker is busy (a long feature job, say)
     try:
         def impatient(_):
             try:
@@ -598,6 +598,7 @@ def test_a_flood_of_train_requests_is_coalesced_and_abandoned_ones_dropped(tmp_p
         stop()
 
 
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")   # Pillow's own, for 13000² (tests keep its default limit)
 def test_decompression_bombs_are_refused_from_their_header(tmp_path, micrograph, start):
     folder, _, _ = micrograph
     session, _, client = start(folder, raise_server_exceptions=False)

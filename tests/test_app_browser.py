@@ -523,10 +523,13 @@ def test_two_hundred_images_and_a_stack_leave_the_panels_in_view(tmp_path, serve
         tifffile.imwrite(folder / f"sample_{i:03d}.tif", rng.integers(0, 4000, (16, 16), dtype=np.uint16))
     stack = "focused_ion_beam_stack_of_the_nickel_superalloy_sample_after_ageing.tif"
     tifffile.imwrite(folder / stack, rng.integers(0, 4000, (20, 16, 16), dtype=np.uint16))
+    (folder / "broken.tif").write_bytes(b"II*\0 not a TIFF")
     server = servers(folder, tmp_path / "session")
     page = new_page()
     open_app(page, server)
     assert page.locator(".image-row").count() == 220
+    page.click("#notes summary")   # the file skipped at start is named in the page
+    assert "broken.tif cannot be read" in page.inner_text("#notes ul")
     add_class(page, "matrix")
     for panel in ("#classes-panel", "#brush-panel"):
         assert visible_in(page, panel, "#left"), panel

@@ -111,14 +111,8 @@ class Engine:
             traceback.print_exc()
         self.scheduler.close()
 
-    # ---- running work -------------------------------------------------------------------------
-    def submit(self, key, fn, priority: int, **kwargs):
-        """Queue ``fn`` on the worker (see :class:`~alibi_vit.app.scheduler.Scheduler.submit`)."""
-        return self.scheduler.submit(key, fn, priority, **kwargs)
-
-    def call(self, fn, *args, key=None, priority: int = NOW, replace: bool = False):
-        """Run ``fn(*args)`` on the worker and wait for its result (a key joins or replaces equal work)."""
-        task = self.submit(key or ("call", object()), lambda: fn(*args), priority, replace=replace)
+    def _wait(self, task):
+        """Wait on this thread for a worker task's result."""
         try:
             return task.future.result()
         finally:
@@ -161,11 +155,9 @@ class Engine:
         return "paper" if self.session.settings.get("crf") else False
 
     def current_model(self) -> dict | None:
-        """The trained model's record when it belongs to the current settings, else None."""
+        """The trained model's record when it belongs to the current backbone choice, else None."""
         model = self.model
-        if model is None or tuple(model["key"][:1]) != (self.session.settings.get("backbone"),):
-            return None
-        return model
+        return None if model is None or model["key"][0] != self.session.settings.get("backbone") else model
 
     def model_state(self) -> dict | None:
         """The model as /api/state shows it: its record and whether labels changed since it was trained."""
@@ -176,13 +168,11 @@ class Engine:
         changed = any(v != trained_on.get(i, 0) for i, v in self.session.versions().items())
         return {k: model[k] for k in ("id", "classes", "seconds", "images", "pixels")} | {"labels_changed": changed}
 
-    def settings_changed(self, backbone_changed: bool) -> None:
-        """Drop what the new settings make stale: predictions always (CRF), features and queued work
-        on a backbone change (the model then no longer belongs to the settings)."""
-        self.predictions.clear()
-        if backbone_changed:
-            self.scheduler.cancel(lambda key: key[0] in ("features", "predict"), "cancelled: the backbone changed")
-            self.features.clear()
+    def backbone_changed(self) -> None:
+        """Drop the feature work of the old backbone (predictions are kept per model and CRF setting,
+        and the model shows only with the backbone it was trained with)."""
+        self.scheduler.cancel(lambda key: key[0] in ("features", "predict"), "cancelled: the backbone changed")
+        self.features.clear()
 
     def _restore_model(self) -> None:
         try:
@@ -194,8 +184,7 @@ class Engine:
             return
         seg, record = restored
         session = self.session
-        key = [session.settings.get("backbone"), session.intensity_range, session.colour]
-        if [record["key"][0], record["key"][1], record["key"][2]] != key:
+        if record["key"] != [session.settings.get("backbone"), session.intensity_range, session.colour]:
             self._note(f"the last trained model (#{record['id']}) belongs to other settings: not restored")
             return
         seg.cache = self.cache
@@ -241,7 +230,7 @@ class Engine:
             return state
         if state["state"] != "running":
             state = self.features[image_id] = {"state": "running", "progress": 0.0, "error": None, "note": None}
-        self.submit(("features", image_id), lambda: self._compute_features(image_id), SHOWN, keep=True)
+        self.scheduler.submit(("features", image_id), lambda: self._compute_features(image_id), SHOWN, keep=True)
         return state
 
     def _compute_features(self, image_id: str) -> None:
@@ -290,14 +279,7 @@ class Engine:
         """Queue a Train (predicting ``image_id`` after it); a Train still queued is superseded."""
         if image_id is not None:
             self.session.entry(image_id)
-        return self.submit(("train",), lambda: self._train(image_id), NOW, replace=True)
-
-    def train(self, image_id: str | None = None) -> dict:
-        task = self.submit_train(image_id)
-        try:
-            return task.future.result()
-        finally:
-            self.scheduler.release(task)
+        return self.scheduler.submit(("train",), lambda: self._train(image_id), NOW, replace=True)
 
     def _train(self, image_id):
         session = self.session
@@ -322,7 +304,7 @@ class Engine:
                       "versions": versions, "key": [key[0], list(key[1]), key[2]]}
         self._model_seg = seg
         self.predictions.clear()
-        self.submit(("persist",), self._persist, SHOWN, keep=True)
+        self.scheduler.submit(("persist",), self._persist, SHOWN, keep=True)
         result = {"model": self.model_state()}
         if image_id is not None:
             result["prediction"] = {"fractions": self.fractions_of(self._predict(image_id)["mask"])}
@@ -335,11 +317,7 @@ class Engine:
             self.store.save(self._model_seg, model)
 
     def _persist_now(self) -> None:
-        task = self.submit(("persist",), self._persist, NOW)
-        try:
-            task.future.result()
-        finally:
-            self.scheduler.release(task)
+        self._wait(self.scheduler.submit(("persist",), self._persist, NOW))
 
     def _predict(self, image_id: str) -> dict:
         model = self.current_model()
@@ -364,15 +342,8 @@ class Engine:
     def submit_prediction(self, image_id: str):
         """Queue the prediction of an image (joining one queued or running): first for the image on screen."""
         self.session.entry(image_id)
-        return self.submit(("predict", image_id), lambda: self._predict(image_id),
+        return self.scheduler.submit(("predict", image_id), lambda: self._predict(image_id),
                            NOW if image_id == self.shown else SHOWN)
-
-    def prediction(self, image_id: str) -> dict:
-        task = self.submit_prediction(image_id)
-        try:
-            return task.future.result()
-        finally:
-            self.scheduler.release(task)
 
     def fractions_of(self, mask: np.ndarray) -> list[dict]:
         """Pixels and area fraction of each class of the session in a predicted mask."""
@@ -420,7 +391,7 @@ class Engine:
             for image_id in ids:
                 if job.cancelled.is_set():
                     return job.finish("cancelled", f"cancelled after {job.done} of {job.total} images")
-                task = self.submit(("predict", image_id), lambda i=image_id: self._predict(i), BACKGROUND)
+                task = self.scheduler.submit(("predict", image_id), lambda i=image_id: self._predict(i), BACKGROUND)
                 try:
                     while not task.future.done():
                         if job.cancelled.wait(0.2):

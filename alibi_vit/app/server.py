@@ -8,7 +8,7 @@ awaiting the engine's worker, so any number of waiting requests holds no thread,
 whose client has gone away stops waiting (its work is dropped if nobody else waits for it).
 
 Every answer is JSON or PNG; every error is JSON ``{"detail": ...}`` (a 500 too). Which requests
-are refused, and how, is in README.md "Security" and API.md "Who may ask".
+are refused, and how, is in docs/app.md "Security" and API.md "Who may ask".
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def _same_site(request: Request) -> bool:
 
 
 class Guard:
-    """ASGI middleware: refuses what README.md "Security" lists (403, or 413 for an oversized body)
+    """ASGI middleware: refuses what docs/app.md "Security" lists (403, or 413 for an oversized body)
     before any handler runs, and adds SECURITY_HEADERS (and, when ``/`` is opened with the token,
     the token cookie) to every answer. A plain ASGI middleware, not Starlette's BaseHTTPMiddleware,
     which hides a client's disconnection from the handlers."""
@@ -327,8 +327,8 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
                 raise SessionError(f"{flag} must be true or false")
         backbone_changed = "backbone" in changes and changes["backbone"] != session.settings.get("backbone")
         result = session.update_settings(**changes)
-        if backbone_changed or "crf" in changes:
-            engine.settings_changed(backbone_changed)
+        if backbone_changed:
+            engine.backbone_changed()
         return {**result, "backbones": engine.backbones(), "backbone_weights": engine.backbone_weights()}
 
     # ---- train and predict -------------------------------------------------------------------

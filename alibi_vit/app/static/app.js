@@ -240,8 +240,9 @@
   // What the server could not do with files given (skipped at start) or at start-up: shown until it restarts.
   function renderNotes() {
     const notes = S.state.notes || [];
-    const list = $("notes");
-    list.hidden = !notes.length;
+    const box = $("notes"), list = box.querySelector("ul");
+    box.hidden = !notes.length;
+    box.querySelector("summary").textContent = `⚠ ${notes.length} note${notes.length === 1 ? "" : "s"} from the server (files not added…)`;
     if (list.children.length === notes.length) return;
     list.innerHTML = "";
     for (const n of notes) {
