@@ -538,9 +538,11 @@ class Session:
         return labels
 
     def label_png(self, image_id: str) -> tuple[bytes, int]:
-        """The label image as PNG and the label version it shows."""
+        """The label image as PNG and the label version it shows (encoded outside the lock: a 4096²
+        label image takes a while, and the state the page polls needs the lock)."""
         with self.lock:
-            return png_bytes(self.label_image(image_id)), self.entry(image_id).version
+            labels, version = self.label_image(image_id), self.entry(image_id).version
+        return png_bytes(labels), version  # label arrays are replaced on change, never written in place
 
     def counts(self, image_id: str) -> dict:
         """Labelled pixels per class value ({"1": n, ...}); kept per label version (the page polls
@@ -548,6 +550,9 @@ class Session:
         entry = self.images[image_id]
         if image_id not in self.labels and not entry.strokes:
             return {}
+        cached = self._counts.get(image_id)
+        if cached is not None and cached[0] == entry.version:  # without the lock: a stroke may be committing
+            return cached[1]
         with self.lock:
             cached = self._counts.get(image_id)
             if cached is None or cached[0] != entry.version:
