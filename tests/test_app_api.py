@@ -114,6 +114,29 @@ def test_feature_cache_gives_the_same_predictions_and_evicts_least_recent(microg
     assert "a" not in small and all(k in small for k in "bcd") and small.nbytes == 30
 
 
+def test_prediction_reports_each_tile_so_the_worker_can_stop_it(micrograph):
+    """The app's worker stops a prediction between tiles (the page moved on, or Train is waiting):
+    predict_proba reports each tile, and an exception from the report stops it there."""
+    _, image, truth = micrograph
+    labels = scribbles(truth, per_class=2, rng=np.random.default_rng(0))
+    seg = TrainableSegmenter(intensity_range=(float(image.min()), float(image.max())), tile=84).fit([image], [labels])
+    seen = []
+    proba = seg.predict_proba([image], on_progress=lambda done, total: seen.append((done, total)))[0]
+    assert seen == [(1, 4), (2, 4), (3, 4), (4, 4)]   # 160 px in 84-px tiles: 2 × 2
+    assert np.array_equal(proba, seg.predict_proba([image])[0])
+
+    class Stop(Exception):
+        pass
+
+    def stop(done, total):
+        seen.append("stopped")
+        raise Stop
+
+    with pytest.raises(Stop):
+        seg.predict_proba([image], on_progress=stop)
+    assert seen[-1] == "stopped" and seen.count("stopped") == 1
+
+
 def test_draw_train_predict_save_and_segment_apply_agree(tmp_path, micrograph, start):
     folder, image, truth = micrograph
     session, engine, client = start(folder)
