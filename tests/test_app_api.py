@@ -506,6 +506,30 @@ def test_a_restarted_app_has_the_last_model_its_id_and_its_prediction(tmp_path, 
     assert client2.get("/api/state").json()["model"]["labels_changed"]
 
 
+def test_predict_and_predict_all_use_the_current_model(tmp_path, micrograph, start):
+    """Item 15: Predict gives an image the current model's prediction without training again;
+    Predict all predicts every image it can and names the one whose file has gone."""
+    folder, image, truth = micrograph
+    tifffile.imwrite(folder / "m1.tif", np.ascontiguousarray(image[::-1]))
+    tifffile.imwrite(folder / "m2.tif", image)
+    session, engine, client = start(folder)
+    draw_and_train(client, truth)
+    one = client.post("/api/predict", json={"image": "m1"}).json()
+    mask = read_png(client.get("/api/images/m1/mask.png").content)
+    assert one["model"]["id"] == 1 and {f["value"]: f["fraction"] for f in one["fractions"]} == pytest.approx(
+        {v: float((mask == v).mean()) for v in (1, 2, 3)})
+    (folder / "m2.tif").unlink()
+    session._read.clear()   # its pixels no longer in memory either, as after reading a few other images
+    job = client.post("/api/predict", json={"scope": "all"}).json()
+    record = wait_job(client, job["job"])
+    assert record["state"] == "error" and record["done"] == 3 and "predicted 2 of 3" in record["message"]
+    assert "m2" in record["message"].split("failed:")[1]
+    state = {i["id"]: i["prediction"] for i in client.get("/api/state").json()["images"]}
+    assert state["m0"]["model"] == state["m1"]["model"] == 1 and state["m2"] is None
+    assert sum(state["m1"]["fractions"].values()) == pytest.approx(1.0)
+    assert list(engine.scheduler.completed).count(("train",)) == 1
+
+
 # ---------------------------------------------------------------------- security (issue items 5-9)
 def test_links_out_of_the_allowed_folders_are_not_followed(tmp_path, micrograph, start):
     folder, _, _ = micrograph

@@ -388,6 +388,7 @@ class Engine:
         job = self._new_job(len(ids), None)
 
         def run():
+            failed = []
             for image_id in ids:
                 if job.cancelled.is_set():
                     return job.finish("cancelled", f"cancelled after {job.done} of {job.total} images")
@@ -397,12 +398,15 @@ class Engine:
                         if job.cancelled.wait(0.2):
                             return job.finish("cancelled", f"cancelled after {job.done} of {job.total} images")
                     task.future.result()
-                except SessionError as err:
-                    return job.finish("error", str(err))
+                except Cancelled as err:  # the backbone changed, the server stops
+                    return job.finish("cancelled", f"{err} after {job.done} of {job.total} images")
+                except SessionError as err:  # this image (say, its file has gone): the others still
+                    failed.append(f"{image_id}: {err}")
                 finally:
                     self.scheduler.release(task)
                 job.done += 1
-            job.finish("done", f"predicted {job.total} images with model #{model['id']}")
+            done = f"predicted {job.total - len(failed)} of {job.total} images with model #{model['id']}"
+            job.finish("done" if not failed else "error", done + (f"; failed: {'; '.join(failed)}" if failed else ""))
 
         threading.Thread(target=self._guarded, args=(job, run), daemon=True).start()
         return job
