@@ -21,7 +21,7 @@ from PIL import Image
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from alibi_vit.app.engine import Engine, Job  # noqa: E402
+from alibi_vit.app.engine import Engine  # noqa: E402
 from alibi_vit.app.server import create_app  # noqa: E402
 from alibi_vit.app.session import Session, rasterise_stroke  # noqa: E402
 from alibi_vit.cli.main import main  # noqa: E402
@@ -386,7 +386,8 @@ def test_a_change_the_disk_cannot_take_is_refused_and_leaves_no_trace(tmp_path, 
     session, engine, client = start(folder, raise_server_exceptions=False)
     client.post("/api/classes", json={"name": "a"})
     client.post("/api/classes", json={"name": "b"})
-    assert client.post("/api/images/m0/strokes", json={"class": 1, "radius": 3, "points": [[20, 20]]}).status_code == 200
+    first = client.post("/api/images/m0/strokes", json={"class": 1, "radius": 3, "points": [[20, 20]]})
+    assert first.status_code == 200
     before = read_png(client.get("/api/images/m0/labels.png").content)
     state = client.get("/api/state").json()
 
@@ -424,10 +425,11 @@ def test_undo_from_a_page_that_has_not_seen_the_latest_stroke_is_refused(tmp_pat
     _, _, client = start(folder)
     client.post("/api/classes", json={"name": "a"})
     client.post("/api/classes", json={"name": "b"})
-    assert client.post("/api/images/m0/strokes", json={"class": 1, "radius": 3, "points": [[20, 20]]}).json()["version"] == 1
+    stroke = "/api/images/m0/strokes"
+    assert client.post(stroke, json={"class": 1, "radius": 3, "points": [[20, 20]]}).json()["version"] == 1
     shown_by_a = client.get("/api/images/m0/labels.png")
     assert shown_by_a.headers["X-Labels-Version"] == "1"
-    assert client.post("/api/images/m0/strokes", json={"class": 2, "radius": 3, "points": [[90, 90]]}).json()["version"] == 2
+    assert client.post(stroke, json={"class": 2, "radius": 3, "points": [[90, 90]]}).json()["version"] == 2
 
     refused = client.post("/api/images/m0/undo", json={"version": 1})
     assert refused.status_code == 409 and "another tab" in refused.json()["detail"]
@@ -476,7 +478,8 @@ def test_save_all_writes_labels_first_and_fractions_after_every_image(tmp_path, 
                                   "pixels_middle", "pixels_bright"]
     assert rows[1].startswith("m0.tif,") and not any(r.startswith("m1.tif") for r in rows)
     mask = read_png((out / "masks" / "m0_mask.png").read_bytes())
-    assert [float(v) for v in rows[1].split(",")[1:4]] == pytest.approx([(mask == v).mean() for v in (1, 2, 3)], abs=1e-6)
+    fractions = [float(v) for v in rows[1].split(",")[1:4]]
+    assert fractions == pytest.approx([(mask == v).mean() for v in (1, 2, 3)], abs=1e-6)
 
     monkeypatch.undo()
     job = client.post("/api/save", json={"what": ["model"], "scope": "all"}).json()
@@ -645,7 +648,8 @@ def test_a_flood_of_train_requests_is_coalesced_and_abandoned_ones_dropped(tmp_p
         stop()
 
 
-@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")   # Pillow's own, for 13000² (tests keep its default limit)
+# Pillow's own warning for 13000² (the tests keep Pillow's default limit; alibi-vit app sets it to the cap)
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
 def test_decompression_bombs_are_refused_from_their_header(tmp_path, micrograph, start):
     folder, _, _ = micrograph
     session, _, client = start(folder, raise_server_exceptions=False)

@@ -59,7 +59,8 @@ class Job:
 
     def record(self) -> dict:
         return {"job": self.id, "state": self.state, "progress": self.done / max(self.total, 1), "done": self.done,
-                "total": self.total, "message": self.message, "folder": None if self.folder is None else str(self.folder)}
+                "total": self.total, "message": self.message,
+                "folder": None if self.folder is None else str(self.folder)}
 
 
 class Engine:
@@ -330,8 +331,8 @@ class Engine:
             seg.crf = crf
             x = self.scaled(image_id, seg)
             cache, seg.cache = seg.cache, (seg.cache if self._fits_cache(image_id) else None)
-            try:
-                (proba,) = seg.predict_proba([x], scaled=True, on_progress=lambda done, total: self.scheduler.checkpoint())
+            try:  # between tiles, the worker may stop it (nobody waits any more, or it was cancelled)
+                (proba,) = seg.predict_proba([x], scaled=True, on_progress=lambda *_: self.scheduler.checkpoint())
             finally:
                 seg.cache = cache
             cached = {"model": model["id"], "crf": crf, "proba": proba, "mask": seg.mask_from_proba(proba)}
