@@ -127,7 +127,6 @@ def peak_rss_gb(pid: int) -> float | None:
 
 
 def run(args) -> dict:
-    import numpy as np
     import tifffile
     from playwright.sync_api import sync_playwright
 

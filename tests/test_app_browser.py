@@ -528,8 +528,9 @@ def test_two_hundred_images_and_a_stack_leave_the_panels_in_view(tmp_path, serve
     page = new_page()
     open_app(page, server)
     assert page.locator(".image-row").count() == 220
-    page.click("#notes summary")   # the file skipped at start is named in the page
+    page.click("#notes summary")   # the file skipped at start is named in the page, and on stderr
     assert "broken.tif cannot be read" in page.inner_text("#notes ul")
+    assert "alibi-vit app: warning: broken.tif cannot be read" in server.log.read_text()
     add_class(page, "matrix")
     for panel in ("#classes-panel", "#brush-panel"):
         assert visible_in(page, panel, "#left"), panel

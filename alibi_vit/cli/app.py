@@ -102,7 +102,7 @@ def _serve(args, backbone_kwargs: dict, max_pixels: int) -> int:
     session = Session(args.session, args.sources, allowed_roots=[args.out] if args.out is not None else [],
                       max_pixels=max_pixels)
     for reason in session.skipped:
-        print(f"alibi-vit app: warning: skipped {reason}", file=sys.stderr, flush=True)
+        print(f"alibi-vit app: warning: {reason}", file=sys.stderr, flush=True)
     token = args.token or (None if args.host in LOCAL_HOSTS else secrets.token_urlsafe(24))
     engine = Engine(session, args.backbone, backbone_kwargs, cache_bytes=int(args.cache_gb * (1 << 30)),
                     out=args.out, device=args.device)

@@ -477,7 +477,7 @@
     };
     loadLabels(id);
     if (S.state.model) {   // the current model's prediction (computed now if need be)
-      showPrediction(id).catch((err) => { if (err.status !== 409 && err.status !== ABORTED) showError(err); });
+      showPrediction(id).catch((err) => { if (err.status !== 409) showError(err); });
     }
 
     let bitmap, tFetched;
@@ -575,7 +575,7 @@
     const signal = S.leave.signal;
     const [[bitmap, headers]] = await Promise.all([
       fetchBitmap(`/api/images/${enc(id)}/${kind}.png`, kind === "uncertainty", signal),
-      loadFractions(id, signal).catch((err) => { if (err.status !== ABORTED) showError(err, "area fractions: "); }),
+      loadFractions(id, signal).catch((err) => showError(err, "area fractions: ")),
     ]);
     if (seq !== S.loadSeq || id !== S.current) { bitmap.close(); return false; }
     overlayCtx.clearRect(0, 0, overlayLayer.width, overlayLayer.height);
