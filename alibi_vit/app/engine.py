@@ -93,6 +93,7 @@ class Engine:
         self._job_ids = itertools.count(1)
         self._scaled: OrderedDict[str, np.ndarray] = OrderedDict()
         self._display: OrderedDict[str, bytes] = OrderedDict()
+        self._display_locks: dict[str, threading.Lock] = {}
         self.store = ModelStore(session.folder / "model")
         self.notes: list[str] = []  # shown in the page: what the engine could not do at start
         self._closed = False
@@ -267,13 +268,15 @@ class Engine:
         intensity range). Made on the request's thread: showing an image never waits for features."""
         from ..images import scale_to_range
 
-        if image_id in self._display:
-            return self._display[image_id]
-        lo, hi = self.session.fix_intensity()
-        x = scale_to_range(self.session.read(image_id), lo, hi, source=self.session.entry(image_id).name,
-                           colour=self.session.colour == "channels")
-        data = png_bytes((np.clip(x[..., :3] if x.ndim == 3 else x, 0, 1) * 255).round().astype(np.uint8))
-        return remember(self._display, image_id, data, KEEP_PREDICTIONS)
+        # Many requests for one image at once make its PNG once (a 4096² one takes GBs to make).
+        with self._display_locks.setdefault(image_id, threading.Lock()):
+            if image_id in self._display:
+                return self._display[image_id]
+            lo, hi = self.session.fix_intensity()
+            x = scale_to_range(self.session.read(image_id), lo, hi, source=self.session.entry(image_id).name,
+                               colour=self.session.colour == "channels")
+            data = png_bytes((np.clip(x[..., :3] if x.ndim == 3 else x, 0, 1) * 255).round().astype(np.uint8))
+            return remember(self._display, image_id, data, KEEP_PREDICTIONS)
 
     # ---- training and prediction --------------------------------------------------------------
     def submit_train(self, image_id: str | None = None):
