@@ -798,13 +798,17 @@ def test_scheduler_runs_by_priority_coalesces_and_supersedes():
         first = scheduler.submit("train", lambda: ran.append("train 1"), 0, replace=True)
         again = scheduler.submit("s", lambda: ran.append("shown twice"), 0)   # joins, and raises its priority
         newest = scheduler.submit("train", lambda: ran.append("train 2") or "model", 0, replace=True)
+        flip = scheduler.submit("flip", lambda: ran.append("flip"), 2, keep=True)
+        for priority in (1, 2, 1, 2):   # an image shown, left, shown, left again
+            scheduler.reprioritise(lambda key: key == "flip", priority)
         assert again is shown and shown.waiters == 2
         with pytest.raises(Cancelled, match="superseded"):
             first.future.result(timeout=5)
         gate.set()
         assert newest.future.result(timeout=5) == "model"
         background.future.result(timeout=5)
-        assert ran == ["shown", "train 2", "background"]   # shown was raised to 0 before train 2 was queued
+        flip.future.result(timeout=5)
+        assert ran == ["shown", "train 2", "background", "flip"]   # shown was raised to 0 before train 2 was queued
     finally:
         scheduler.close()
 
