@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -221,30 +222,51 @@ def _train(args) -> int:
 
 
 def _apply(args) -> int:
-    import warnings
+    from functools import partial
 
-    from ..images import read_array, scale_colour
     from ..trainable import TrainableSegmenter
-    from ..trainable.io import (area_fractions, list_image_files, overlay, read_slices, write_colour_key,
-                                write_fractions_csv, write_mask, write_proba)
+    from ..trainable.io import list_image_files, write_colour_key, write_fractions_csv
+    from ..trainable.output_folder import CSV_NAME, OutputFolder, model_digest, output_names
 
-    files, where = [], {}  # where: image → (output folder, name in the CSV)
+    files, sources, relative = [], [], []
     for src in args.images:
         for f in list_image_files([src], recursive=args.recursive):
-            rel = f.relative_to(src) if Path(src).is_dir() else Path(f.name)
             files.append(f)
-            where[f] = (args.out / rel.parent, rel.as_posix())
+            sources.append(Path(src))
+            relative.append(f.relative_to(src) if Path(src).is_dir() else Path(f.name))
+    outputs, notes = output_names(files, sources, relative)
+    for note in notes:
+        warnings.warn(note)
+    where = {f: (args.out / o.folder, o.row, o.stem) for f, o in zip(files, outputs)}  # output folder, CSV name, stem
     _check_out_folder(args.out)
+    if args.modal is not None and (args.modal < 0 or (args.modal and args.modal % 2 == 0)):
+        raise ValueError(f"--modal must be 0 or an odd window size, got {args.modal}")
     seg = TrainableSegmenter.load(args.model, device=args.device)
-    args.out.mkdir(parents=True, exist_ok=True)
     if args.modal is not None:
-        if args.modal < 0 or (args.modal and args.modal % 2 == 0):
-            raise ValueError(f"--modal must be 0 or an odd window size, got {args.modal}")
         seg.modal = args.modal
     if args.crf != "model":
         seg.crf = {"on": "paper", "off": False}.get(args.crf, args.crf)
     k = int(seg.classes_.max())
-    failed, names, counts = [], [], []
+    settings = {"model": str(Path(args.model).resolve()), "model_digest": model_digest(args.model), "crf": seg.crf or "off",
+                "modal": seg.modal, "format": args.format, "proba": args.proba, "overlay": not args.no_overlay}
+    with OutputFolder(args.out, settings, partial(write_fractions_csv, classes=seg.classes_)) as folder:
+        failed = _apply_all(args, seg, files, where, folder, k)
+    write_colour_key(args.out / "colour_key.png", seg.classes_, k)
+    print(f"segmented {len(files) - len(failed)} of {len(files)} image(s) into {args.out} "
+          f"(area fractions per class in {args.out / CSV_NAME})")
+    if failed:
+        print(f"alibi-vit segment: error: {len(failed)} image(s) could not be read: {', '.join(failed)}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _apply_all(args, seg, files, where, folder, k) -> list[str]:
+    """Segment ``files`` into ``folder`` (an :class:`OutputFolder`); the names of those that could not be read."""
+    from ..images import read_array, scale_colour
+    from ..trainable.io import area_fractions, overlay, read_slices, write_mask, write_proba
+
+    failed = []
 
     def read(path):
         stack = read_slices(path)
@@ -276,35 +298,27 @@ def _apply(args) -> int:
         probas = [seg.predict_proba([x], scaled=True)[0]
                   for x in tqdm(scaled, desc=f"{path.name} slices", leave=False, disable=not is_stack)]
         masks = [seg.mask_from_proba(p) for p in probas]
-        dest = where[path][0]
-        for z, mask in enumerate(masks):
-            names.append(f"{where[path][1]}[{z}]" if is_stack else where[path][1])
-            counts.append((area_fractions(mask, seg.classes_)[0], mask.size))
+        dest, row, stem = folder.stage(where[path][0]), where[path][1], where[path][2]
+        rows = [(f"{row}[{z}]" if is_stack else row, area_fractions(mask, seg.classes_)[0], mask.size)
+                for z, mask in enumerate(masks)]
         if is_stack:  # written back as a stack: TIFF whatever --format says; no overlays
-            write_mask(dest / f"{path.stem}_mask.tif", np.stack(masks), k)
+            write_mask(dest / f"{stem}_mask.tif", np.stack(masks), k)
             if args.proba:
-                write_proba(dest, path.stem, np.stack(probas), seg.classes_)
+                write_proba(dest, stem, np.stack(probas), seg.classes_)
+            folder.commit(row, path, rows)
             continue
         array, image01, proba, mask = arrays[0], scaled[0], probas[0], masks[0]
-        write_mask(dest / f"{path.stem}_mask.{args.format}", mask, k)
+        write_mask(dest / f"{stem}_mask.{args.format}", mask, k)
         if args.proba:
-            write_proba(dest, path.stem, proba, seg.classes_)
+            write_proba(dest, stem, proba, seg.classes_)
         if not args.no_overlay:
             from PIL import Image
 
             # Colour images are shown in their own colours (by dtype), grayscale as the model scaled it.
             shown = scale_colour(array, "auto", str(path)) if image01.ndim == 3 else image01
-            Image.fromarray(overlay(shown, mask, 0.4, k)).save(dest / f"{path.stem}_overlay.png")
-    if names:
-        write_fractions_csv(args.out / "area_fractions.csv", names, counts, seg.classes_)
-        write_colour_key(args.out / "colour_key.png", seg.classes_, k)
-    print(f"segmented {len(files) - len(failed)} of {len(files)} image(s) into {args.out} "
-          f"(area fractions per class in {args.out / 'area_fractions.csv'})")
-    if failed:
-        print(f"alibi-vit segment: error: {len(failed)} image(s) could not be read: {', '.join(failed)}",
-              file=sys.stderr)
-        return 1
-    return 0
+            Image.fromarray(overlay(shown, mask, 0.4, k)).save(dest / f"{stem}_overlay.png")
+        folder.commit(row, path, rows)
+    return failed
 
 
 def _read_set(image_sources, mask_sources, what):
