@@ -23,9 +23,9 @@ _FORMATS = (".safetensors", ".pth", ".pt")
 
 
 def _read_checkpoint(path: Path) -> dict:
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    from alibi_vit.models.checkpoint import read_torch_file
+    from alibi_vit.models.checkpoint import read_torch_file, require_file
+
+    require_file(path)
 
     ckpt = read_torch_file(path, what="Lightning checkpoint")
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:

@@ -63,9 +63,7 @@ def _parse_checkpoints(specs: list[str]) -> list[tuple[str | None, Path]]:
     for spec in specs:
         label, sep, path = spec.partition("=")
         label, path = (label, path) if sep and not Path(spec).exists() else (None, spec)
-        path = Path(path).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"probe checkpoint {path} does not exist")
+        path = require_file(Path(path).expanduser(), "probe checkpoint")
         out.append((label, path))
     return out
 

@@ -74,11 +74,22 @@ def save_safetensors(state: dict[str, torch.Tensor], path, metadata: dict[str, s
     os.chmod(path, 0o666 & ~umask)
 
 
+def require_file(path, what: str = "checkpoint") -> Path:
+    """``path`` as a Path if it is a file; else an error that says whether it is missing or a folder (and, for a
+    run folder, which checkpoint inside it to give)."""
+    path = Path(path)
+    if path.is_dir():
+        inside = [p for p in (path / "checkpoints" / "last.ckpt", path / "last.ckpt") if p.is_file()]
+        hint = f", e.g. {inside[0]}" if inside else ""
+        raise IsADirectoryError(f"{what} {path} is a folder: give the file{hint}")
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    return path
+
+
 def load_state_dict_file(path) -> dict[str, torch.Tensor]:
     """Read a state_dict from .safetensors, .pt/.pth/.bin or a Lightning .ckpt (its 'state_dict')."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    path = require_file(path)
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
