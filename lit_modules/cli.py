@@ -57,7 +57,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from alibi_vit.models.checkpoint import require_file
+from alibi_vit.files import require_file
 from datamodules import DatasetLayoutError
 from lit_modules.callbacks import LastCheckpoint
 from lit_modules.parser_errors import ConciseArgumentParser

@@ -16,13 +16,13 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .options import add_image_arguments, add_model_arguments
+    from .options import add_image_arguments, add_model_arguments, at_least
 
     add_model_arguments(parser)
     add_image_arguments(parser, default_size=224)
     parser.add_argument("--threshold", type=float, default=0.9,
                         help="a head is a sink when its prefix mass is at least this (default %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=4,
+    parser.add_argument("--batch-size", type=at_least(1), default=4,
                         help="images per forward pass (the attention of one layer at a time is held in memory)")
     parser.add_argument("--out", type=Path, default=Path("heads.csv"),
                         help="CSV to write (default %(default)s); the figure goes next to it as <out>.png")

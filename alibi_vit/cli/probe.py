@@ -59,7 +59,7 @@ def paper_set_of(images: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .options import add_image_arguments, add_model_arguments
+    from .options import add_image_arguments, add_model_arguments, at_least, fraction
 
     add_model_arguments(parser)
     for action in parser._actions:  # --paper-table names its own models
@@ -80,11 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--paper-table: the paper column these images compare with (default: noise for noise, "
                              "textures for textures, else micrographs)")
     parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
-    parser.add_argument("--fraction", type=float, default=0.025, help="share of patches the probe is fitted on")
-    parser.add_argument("--min-train", type=int, default=MIN_TRAIN,
+    parser.add_argument("--fraction", type=fraction, default=0.025, help="share of patches the probe is fitted on")
+    parser.add_argument("--min-train", type=at_least(1), default=MIN_TRAIN,
                         help="fit on at least this many patches (at most half the grid), raising --fraction on "
                              "small images (default %(default)s; 0 keeps --fraction as given)")
-    parser.add_argument("--repeats", type=int, default=10, help="random samplings per image")
+    parser.add_argument("--repeats", type=at_least(1), default=10, help="random samplings per image")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--per-layer", action="store_true", help="probe every block's output too")
     parser.add_argument("--fingerprint-target", default="xy", choices=TARGETS,
@@ -92,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", action="store_true",
                         help="draw R² per layer and the per-channel fingerprint heatmap as PNGs next to --out "
                              "(implies --per-layer)")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=at_least(1), default=8)
     parser.add_argument("--out", type=Path, default=Path("probe_results.csv"), help="CSV file to write")
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from .options import checkpoints_by_model, parse_model_args
+from .options import at_least, checkpoints_by_model, parse_model_args
 
 ACTIONS = {
     "train": "train a pixel classifier from images and sparse label images",
@@ -28,6 +28,7 @@ ACTIONS = {
     "benchmark": "scribble benchmark: test mIoU per round of generated scribbles",
 }
 LABEL_SUFFIXES = ("", "_labels", "_label", "_mask", "_masks", "_gt", "-labels", "-mask")
+MIN_SYNTHETIC_SIZE = 64  # px: below it, the benchmark's generated images are warned about
 
 
 def _add_backbone_arguments(p, several: bool):
@@ -54,8 +55,8 @@ def _add_common(p):
                         "the training images' pooled pixels, stored with the model, applied unchanged to every "
                         "image); or each image by itself: auto (0.5–99.5th percentiles for grayscale, dtype for "
                         "colour), percentile, minmax, dtype")
-    p.add_argument("--components", type=int, default=9, help="PCA components of the ViT features")
-    p.add_argument("--trees", type=int, default=None,
+    p.add_argument("--components", type=at_least(1), default=9, help="PCA components of the ViT features")
+    p.add_argument("--trees", type=at_least(1), default=None,
                    help="number of trees (boosting rounds, or forest size) instead of the classifier's default")
     p.add_argument("--seed", type=int, default=0)
 
@@ -71,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--features", default=None, metavar="MODULE:FUNCTION",
                    help="user feature hook: a function taking the scaled image ((H, W) or (H, W, 3) floats in "
                         "[0, 1]) and returning (H, W, F) features; stored by import path, never pickled")
-    t.add_argument("--modal", type=int, default=0, metavar="N",
+    t.add_argument("--modal", type=at_least(0), default=0, metavar="N",
                    help="majority (modal) filter of odd window N px on the masks (default 0: none)")
     t.add_argument("--colour", choices=("channels", "grey"), default="channels",
                    help="colour images: featurised per channel (default; the model then takes colour images only) "
@@ -93,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--crf", choices=("model", "on", "off", "paper", "library"), default="model",
                    help="dense-CRF clean-up: as the model was trained (default), on (preset paper), off, or a "
                         "preset (paper, library)")
-    a.add_argument("--modal", type=int, default=None, metavar="N",
+    a.add_argument("--modal", type=at_least(0), default=None, metavar="N",
                    help="majority filter of odd window N px (0: none; default: as the model was trained)")
     a.add_argument("--device", default=None)
     b = sub.add_parser("benchmark", help=ACTIONS["benchmark"], description=ACTIONS["benchmark"])
@@ -104,12 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--composition-shift", action="store_true",
                    help="generated data whose test images lack the brightest of three phases, run once per "
                         "intensity mode (training, percentile, minmax, dtype; --intensity is not used)")
-    b.add_argument("--synthetic-size", type=int, default=256)
-    b.add_argument("--synthetic-count", type=int, nargs=2, default=(5, 5), metavar=("TRAIN", "TEST"))
+    b.add_argument("--synthetic-size", type=at_least(1), default=256)
+    b.add_argument("--synthetic-count", type=at_least(1), nargs=2, default=(5, 5), metavar=("TRAIN", "TEST"))
     _add_backbone_arguments(b, several=True)
     _add_common(b)
-    b.add_argument("--rounds", type=int, default=5)
-    b.add_argument("--per-class", type=int, default=1, help="scribbles per class per training image per round")
+    b.add_argument("--rounds", type=at_least(1), default=5)
+    b.add_argument("--per-class", type=at_least(1), default=1, help="scribbles per class per training image per round")
     b.add_argument("--out", type=Path, default=Path("segment_benchmark"), metavar="DIR")
 
 
@@ -145,6 +146,11 @@ def _image_label_pairs(image_sources, label_sources, what="labels"):
 
     images = [p for p in image_files if not (p in shared and is_label(p))]
     labels = [p for p in label_files if p not in shared or is_label(p)]
+    paired_stems = {p.stem + s for p in images for s in LABEL_SUFFIXES}
+    orphans = [p.name for p in labels if p.stem not in paired_stems]
+    if orphans:
+        warnings.warn(f"{len(orphans)} {what} file(s) match no image and are not used: "
+                      f"{', '.join(orphans[:5])}{' …' if len(orphans) > 5 else ''}")
     if not images or not labels:
         found = ", ".join(p.name for p in image_files[:5]) + (" …" if len(image_files) > 5 else "")
         raise ValueError(f"found no {'images' if not images else what} to pair among {len(image_files)} file(s) "
@@ -154,7 +160,13 @@ def _image_label_pairs(image_sources, label_sources, what="labels"):
 
 
 def _check_backbone_weights(args, names):
-    """Backbones need --pretrained, a checkpoint or --allow-random-init: random features must be asked for."""
+    """Backbones need --pretrained, a checkpoint or --allow-random-init: random features must be asked for.
+    An unknown name is said first (a misspelt name has no weights either, but that is not the problem)."""
+    if names:
+        from ..models.checkpoint import check_model_name
+
+        for name in names:
+            check_model_name(name)
     checkpoints = checkpoints_by_model(args.checkpoint, names) if args.checkpoint else {}
     random = [n for n in names if n not in checkpoints and not args.pretrained]
     if random and not args.allow_random_init:
@@ -334,8 +346,9 @@ def _benchmark(args) -> int:
     from ..synthetic import synthetic_dataset
     from ..trainable.benchmark import compare_intensity, composition_shift_data, scribble_benchmark, write_outputs
 
-    if args.rounds < 1:
-        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+    if (args.synthetic or args.composition_shift) and args.synthetic_size < MIN_SYNTHETIC_SIZE:
+        warnings.warn(f"--synthetic-size {args.synthetic_size}: images under {MIN_SYNTHETIC_SIZE} px are smaller "
+                      "than the filters' reach (σ up to 16 px) and hold few scribbles: the scores mean little")
     checkpoints = _check_backbone_weights(args, args.backbone)
     _check_out_folder(args.out)
     if args.composition_shift:
@@ -349,6 +362,11 @@ def _benchmark(args) -> int:
     else:
         tr, trm, _ = _read_set(args.train_images, args.train_masks, "train")
         te, tem, _ = _read_set(args.test_images, args.test_masks, "test")
+        unseen = sorted(set(np.unique(np.concatenate([m.ravel() for m in tem]))) - {0}
+                        - set(np.unique(np.concatenate([m.ravel() for m in trm]))))
+        if unseen:
+            raise ValueError(f"the test masks hold class(es) {', '.join(map(str, unseen))} that no training mask "
+                             "has: a classifier cannot predict them, so the scores would mean nothing")
     backbones = {"classical": None}
     if args.backbone:
         from ..models.checkpoint import create_backbone

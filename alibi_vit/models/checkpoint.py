@@ -18,6 +18,7 @@ import timm
 import torch
 import torch.nn as nn
 
+from ..files import require_file
 from .formats import key_mismatches
 from .names import MODEL_NAMES
 
@@ -72,19 +73,6 @@ def save_safetensors(state: dict[str, torch.Tensor], path, metadata: dict[str, s
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
-
-
-def require_file(path, what: str = "checkpoint") -> Path:
-    """``path`` as a Path if it is a file; else an error that says whether it is missing or a folder (and, for a
-    run folder, which checkpoint inside it to give)."""
-    path = Path(path)
-    if path.is_dir():
-        inside = [p for p in (path / "checkpoints" / "last.ckpt", path / "last.ckpt") if p.is_file()]
-        hint = f", e.g. {inside[0]}" if inside else ""
-        raise IsADirectoryError(f"{what} {path} is a folder: give the file{hint}")
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} {path} does not exist")
-    return path
 
 
 def load_state_dict_file(path) -> dict[str, torch.Tensor]:
@@ -307,6 +295,8 @@ def create_backbone(name: str, *, pretrained: bool = False, checkpoint=None, see
         source = f" ({', '.join(from_file)} from the checkpoint's metadata)" if from_file else ""
         raise ValueError(f"cannot build {name} with {given or 'its defaults'}{source}: "
                          f"{err or type(err).__name__}") from err
+    if len(getattr(model, "blocks", [None])) == 0:  # depth=0: patch embedding and norm only, nothing to probe
+        raise ValueError(f"cannot build {name} with {given}: a backbone needs at least one transformer block")
     if checkpoint is not None:
         state = load_state_dict_file(checkpoint)
         from .projection import PROJECTION_KEY, attach_projection
