@@ -14,9 +14,11 @@ from ..images import BUNDLED_SETS, load_image_set
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["add_image_arguments", "add_model_arguments", "at_least", "build_models", "check_image_size",
-           "checkpoints_by_model", "fraction", "images_from_args", "model_features", "parse_model_args", "weights_of",
-           "write_csv"]
+__all__ = ["FIGURE_FORMATS", "add_figure_arguments", "add_image_arguments", "add_model_arguments", "at_least",
+           "build_models", "check_image_size", "checkpoints_by_model", "figure_path", "fraction", "images_from_args",
+           "model_features", "parse_model_args", "weights_of", "write_csv"]
+
+FIGURE_FORMATS = ("png", "svg", "pdf")
 
 
 def at_least(minimum: int):
@@ -75,6 +77,21 @@ def add_image_arguments(parser: argparse.ArgumentParser, default_size: int) -> N
                              "(255, 65535); 'minmax' maps the image's min/max to 0/1; 'percentile' maps its "
                              f"{PERCENTILES[0]:g}th/{PERCENTILES[1]:g}th percentiles to 0/1 and clips; 'auto' "
                              "(default): percentile for single-channel images, dtype for colour ones")
+
+
+def add_figure_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--figure-format", choices=FIGURE_FORMATS, default="png",
+                        help="file format of the plots: png (default), or svg/pdf (vector: sharp at any size, "
+                             "editable in Inkscape or Illustrator)")
+    parser.add_argument("--dpi", type=at_least(10), default=150,
+                        help="resolution of png plots in dots per inch (default %(default)s; svg/pdf are vector)")
+
+
+def figure_path(path, args) -> "Path":
+    """``path`` with the suffix of ``--figure-format``."""
+    from pathlib import Path
+
+    return Path(path).with_suffix(f".{args.figure_format}")
 
 
 def images_from_args(args) -> list[tuple[str, torch.Tensor]]:

@@ -51,11 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="probe input size in px (default: the checkpoint's, else 518)")
     parser.add_argument("--data.resize_mode", dest="resize_mode", choices=("stretch", "crop"), default=None,
                         help="image resizing (default: the checkpoint's, else stretch)")
-    parser.add_argument("--transforms", nargs="+", choices=TRANSFORMS, default=list(TRANSFORMS))
+    parser.add_argument("--transforms", nargs="+", choices=TRANSFORMS, default=list(TRANSFORMS),
+                        help="image transforms to score (default: all; none is the probe's own score)")
     parser.add_argument("--roll", nargs=2, type=int, default=None, metavar=("DY", "DX"),
                         help="roll in whole patches (default: half the patch grid)")
-    parser.add_argument("--batch-size", type=at_least(1), default=16)
-    parser.add_argument("--num-workers", type=at_least(0), default=4)
+    parser.add_argument("--batch-size", type=at_least(1), default=16, help="images per forward pass")
+    parser.add_argument("--num-workers", type=at_least(0), default=4,
+                        help="data-loading processes (at most the CPU cores; 0 loads in this process)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     parser.add_argument("--limit-batches", type=at_least(1), default=None, help="evaluate only this many batches (smoke runs)")
     parser.add_argument("--csv", default="robustness.csv", help="where to write the results table")

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from .options import at_least, checkpoints_by_model, parse_model_args
+from .options import add_figure_arguments, at_least, checkpoints_by_model, parse_model_args
 
 ACTIONS = {
     "train": "train a pixel classifier from images and sparse label images",
@@ -49,7 +49,8 @@ def _add_backbone_arguments(p, several: bool):
 
 
 def _add_common(p):
-    p.add_argument("--classifier", choices=("xgboost", "random_forest"), default="xgboost")
+    p.add_argument("--classifier", choices=("xgboost", "random_forest"), default="xgboost",
+                   help="pixel classifier: xgboost (default; histogram method, balanced classes) or random_forest")
     p.add_argument("--intensity", choices=("training", "auto", "percentile", "minmax", "dtype"), default="training",
                    help="how images are scaled to [0, 1]: training (default: black/white points fitted once on "
                         "the training images' pooled pixels, stored with the model, applied unchanged to every "
@@ -58,13 +59,16 @@ def _add_common(p):
     p.add_argument("--components", type=at_least(1), default=9, help="PCA components of the ViT features")
     p.add_argument("--trees", type=at_least(1), default=None,
                    help="number of trees (boosting rounds, or forest size) instead of the classifier's default")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the classifier, of the pixel sample it trains on and of random backbone weights")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     t = sub.add_parser("train", help=ACTIONS["train"], description=ACTIONS["train"])
-    t.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE")
+    t.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE",
+                   help="training images: folders (their PNG/TIFF/JPEG/BMP files) and/or files; multi-page TIFFs "
+                        "are stacks")
     t.add_argument("--labels", nargs="+", required=True, metavar="DIR_OR_FILE",
                    help="label images: 0 = unlabelled, 1..K = classes, paired with the images by file name")
     _add_backbone_arguments(t, several=False)
@@ -80,11 +84,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--crf", nargs="?", const="paper", choices=("paper", "library"), default=None,
                    help="refine predictions with a dense CRF when applying: preset paper (the paper notebook's "
                         "sxy values; the default of a bare --crf) or library (the authors' backend's defaults)")
-    t.add_argument("--out", type=Path, required=True, metavar="MODEL_DIR")
+    t.add_argument("--out", type=Path, required=True, metavar="MODEL_DIR",
+                   help="folder to write the model to (config.json, classifier.json; what apply --model reads)")
     a = sub.add_parser("apply", help=ACTIONS["apply"], description=ACTIONS["apply"])
-    a.add_argument("--model", type=Path, required=True, metavar="MODEL_DIR")
-    a.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE")
-    a.add_argument("--out", type=Path, required=True, metavar="DIR")
+    a.add_argument("--model", type=Path, required=True, metavar="MODEL_DIR",
+                   help="a model folder written by 'segment train' or the app's Save")
+    a.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE",
+                   help="images to segment: folders and/or files (several folders may hold the same names)")
+    a.add_argument("--out", type=Path, required=True, metavar="DIR",
+                   help="output folder: <name>_mask.png, <name>_overlay.png, area_fractions.csv, colour_key.png, "
+                        "segment_run.json (one model per folder; a second run of the same model adds to it)")
     a.add_argument("--recursive", action="store_true",
                    help="also segment images in subfolders of the --images folders; outputs mirror the subfolders")
     a.add_argument("--format", choices=("png", "tif"), default="png", help="mask file format")
@@ -96,22 +105,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "preset (paper, library)")
     a.add_argument("--modal", type=at_least(0), default=None, metavar="N",
                    help="majority filter of odd window N px (0: none; default: as the model was trained)")
-    a.add_argument("--device", default=None)
+    a.add_argument("--device", default=None, help="where a ViT backbone runs (default: cuda if available, else cpu)")
     b = sub.add_parser("benchmark", help=ACTIONS["benchmark"], description=ACTIONS["benchmark"])
-    for name in ("train-images", "train-masks", "test-images", "test-masks"):
-        b.add_argument(f"--{name}", nargs="+", metavar="DIR_OR_FILE")
+    for name, what in (("train-images", "training images"), ("train-masks", "their complete ground-truth masks"),
+                       ("test-images", "test images"), ("test-masks", "their ground-truth masks")):
+        b.add_argument(f"--{name}", nargs="+", metavar="DIR_OR_FILE",
+                       help=f"{what}: folders and/or files, paired by name (without --synthetic)")
     b.add_argument("--synthetic", action="store_true",
                    help="use generated 3-phase micrographs (offline; not the paper's data)")
     b.add_argument("--composition-shift", action="store_true",
                    help="generated data whose test images lack the brightest of three phases, run once per "
                         "intensity mode (training, percentile, minmax, dtype; --intensity is not used)")
-    b.add_argument("--synthetic-size", type=at_least(1), default=256)
-    b.add_argument("--synthetic-count", type=at_least(1), nargs=2, default=(5, 5), metavar=("TRAIN", "TEST"))
+    b.add_argument("--synthetic-size", type=at_least(1), default=256,
+                   help=f"side of the generated square images in px (default %(default)s; under {MIN_SYNTHETIC_SIZE} "
+                        "is warned about)")
+    b.add_argument("--synthetic-count", type=at_least(1), nargs=2, default=(5, 5), metavar=("TRAIN", "TEST"),
+                   help="number of generated training and test images (default 5 5)")
     _add_backbone_arguments(b, several=True)
     _add_common(b)
-    b.add_argument("--rounds", type=at_least(1), default=5)
+    b.add_argument("--rounds", type=at_least(1), default=5,
+                   help="scribble rounds: each adds --per-class scribbles per class per image and retrains (default 5)")
     b.add_argument("--per-class", type=at_least(1), default=1, help="scribbles per class per training image per round")
-    b.add_argument("--out", type=Path, default=Path("segment_benchmark"), metavar="DIR")
+    b.add_argument("--out", type=Path, default=Path("segment_benchmark"), metavar="DIR",
+                   help="output folder: benchmark.csv, miou_vs_round and examples figures (default %(default)s)")
+    add_figure_arguments(b)
 
 
 def _pair(images, labels, what="labels"):
@@ -387,7 +404,8 @@ def _benchmark(args) -> int:
                                                      segmenter_kwargs={**seg_kwargs, "intensity": args.intensity},
                                                      **run_kwargs)
     paths = write_outputs(args.out, rows, preds, te, test_masks,
-                          intensity="auto" if args.composition_shift else args.intensity)
+                          intensity="auto" if args.composition_shift else args.intensity,
+                          figure_format=args.figure_format, dpi=args.dpi)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     print("round  " + "  ".join(methods))
     for r in range(1, args.rounds + 1):
