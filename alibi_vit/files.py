@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["require_file", "require_writable_folder"]
+__all__ = ["check_folder_path", "require_file", "require_writable_folder"]
 
 
 def require_file(path, what: str = "checkpoint") -> Path:
@@ -20,17 +20,23 @@ def require_file(path, what: str = "checkpoint") -> Path:
     return path
 
 
+def check_folder_path(folder, option: str = "--out") -> None:
+    """A ``ValueError`` naming ``option`` when ``folder``, or a folder above it, is an existing file."""
+    folder = Path(folder)
+    for place in (folder, *folder.parents):
+        if place.exists():
+            if not place.is_dir():
+                raise ValueError(f"{option} {folder}: {place} is an existing file; give a folder")
+            return
+
+
 def require_writable_folder(folder, option: str = "--out") -> Path:
     """Create ``folder`` (and those above it) and check that a file can be written in it; else a one-line
     ``ValueError`` naming ``option``: a file in the way, a read-only file system, no permission."""
     import tempfile
 
     folder = Path(folder)
-    for place in (folder, *folder.parents):
-        if place.exists():
-            if not place.is_dir():
-                raise ValueError(f"{option}: {place} is a file, not a folder")
-            break
+    check_folder_path(folder, option)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):

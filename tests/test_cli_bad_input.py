@@ -44,7 +44,7 @@ def _fresh_process(args, cwd):
      "--query 448 10 is outside the 448×448 px image"),
     (["robustness", "--checkpoint", "."], "probe checkpoint . is a folder: give the file"),
     (["export", "--checkpoint", ".", "--out", "x.safetensors"], "checkpoint . is a folder: give the file"),
-    (["export", "--checkpoint", "a_file", "--out", "a_file/x.safetensors"], "--out: a_file is a file, not a folder"),
+    (["export", "--checkpoint", "a_file", "--out", "a_file/x.safetensors"], "--out a_file: a_file is an existing file; give a folder"),
 ])
 def test_argument_mistakes_are_one_line_before_torch_is_imported(tmp_path, args, message):
     (tmp_path / "a_file").write_text("")

@@ -90,6 +90,9 @@ def subcommand_parser(command: str):
 
 
 def main(argv=None) -> int:
+    from ..runtime import prefer_passive_threads_when_busy
+
+    prefer_passive_threads_when_busy()
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     # Parse the subcommand first, then let its module add its own options.

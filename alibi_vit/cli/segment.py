@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from ..files import check_folder_path
 from .options import add_figure_arguments, at_least, checkpoints_by_model, parse_model_args
 
 ACTIONS = {
@@ -195,15 +196,6 @@ def _check_backbone_weights(args, names):
     return checkpoints
 
 
-def _check_out_folder(out: Path, option: str = "--out") -> None:
-    """Fail before any work when the output folder cannot be one (it, or a folder above it, is a file)."""
-    for place in (out, *out.parents):
-        if place.exists():
-            if not place.is_dir():
-                raise ValueError(f"{option} {out}: {place} is an existing file; give a folder")
-            return
-
-
 def _classifier_params(args):
     if args.trees is not None and args.trees < 1:
         raise ValueError(f"--trees must be at least 1, got {args.trees}")
@@ -223,7 +215,7 @@ def _train(args) -> int:
         backbone_kwargs = dict(checkpoint=checkpoints.get(args.backbone), model_kwargs=parse_model_args(args.model_arg),
                                pretrained=args.pretrained and args.backbone not in checkpoints)
     pairs = _image_label_pairs(args.images, args.labels)
-    _check_out_folder(args.out)
+    check_folder_path(args.out)
     images, labels = [], []
     for img, lab in tqdm(pairs, desc="read", disable=len(pairs) < 2):
         stack, label_stack = read_slices(img), read_slices(lab)
@@ -267,8 +259,8 @@ def _apply(args) -> int:
     for note in notes:
         warnings.warn(note)
     where = {f: (args.out / o.folder, o.row, o.stem) for f, o in zip(files, outputs)}  # output folder, CSV name, stem
-    _check_out_folder(args.out)
-    if args.modal is not None and (args.modal < 0 or (args.modal and args.modal % 2 == 0)):
+    check_folder_path(args.out)
+    if args.modal is not None and args.modal % 2 == 0 and args.modal:
         raise ValueError(f"--modal must be 0 or an odd window size, got {args.modal}")
     seg = TrainableSegmenter.load(args.model, device=args.device)
     if args.modal is not None:
@@ -367,7 +359,7 @@ def _benchmark(args) -> int:
         warnings.warn(f"--synthetic-size {args.synthetic_size}: images under {MIN_SYNTHETIC_SIZE} px are smaller "
                       "than the filters' reach (σ up to 16 px) and hold few scribbles: the scores mean little")
     checkpoints = _check_backbone_weights(args, args.backbone)
-    _check_out_folder(args.out)
+    check_folder_path(args.out)
     if args.composition_shift:
         if args.train_images or args.test_images:
             raise ValueError("--composition-shift generates its data: give no --train-images/--test-images")
