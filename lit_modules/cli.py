@@ -279,7 +279,7 @@ class ProjectCLI(LightningCLI):
 def _one_line(err: BaseException) -> str:
     """An error's message on one line; an OSError as 'PATH: reason' (PermissionError on --run_dir...)."""
     if isinstance(err, OSError) and err.strerror and err.filename is not None:
-        return f"cannot write {err.filename}: {err.strerror}"
+        return f"{err.filename}: {err.strerror}"
     return " ".join(str(err).split()) or type(err).__name__
 
 
