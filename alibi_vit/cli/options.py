@@ -166,7 +166,7 @@ def build_models(args):
         checkpoint = checkpoints.get(name)
         model = create_backbone(name, pretrained=args.pretrained and checkpoint is None, checkpoint=checkpoint,
                                 **model_kwargs)
-        if hasattr(args, "size"):
+        if getattr(args, "size", None) is not None:  # None: native sizes, cropped to the patch size
             check_image_size(args.size, model)
         if checkpoint is None and not args.pretrained:
             print(f"note: {name} is randomly initialised (give --pretrained or --checkpoint for real features)",
