@@ -54,8 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-train", type=int, default=MIN_TRAIN,
                         help="fit on at least this many patches (default %(default)s; see alibi-vit probe)")
     parser.add_argument("--repeats", type=int, default=10, help="random samplings per image")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the patch samplings and of noise images")
+    parser.add_argument("--batch-size", type=int, default=8, help="images per forward pass")
     parser.add_argument("--out", type=Path, default=Path("channels.csv"),
                         help="CSV of every channel's rank and R² (default %(default)s)")
 

@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="architecture override for every backbone, e.g. depth=2")
     parser.add_argument("--data.root", dest="data_root", required=True, metavar="VOC_ROOT",
                         help="folder holding VOCdevkit/VOC2012 (or that folder itself)")
-    parser.add_argument("--year", type=int, default=2012, choices=(2007, 2012))
+    parser.add_argument("--year", type=int, default=2012, choices=(2007, 2012), help="Pascal VOC year (default 2012)")
     parser.add_argument("--split", default="val", help="ImageSets/Segmentation split (default val)")
     parser.add_argument("--recipe", choices=list(RECIPES), default="leopart",
                         help="the protocol: leopart (default: Leopart's faiss k-means, 448 px, masks at 100 px), "
@@ -87,8 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-images", type=_image_count, default=None, metavar="N|all",
                         help="only the first N images of the split (default: the recipe's, leopart 1440, rasa 640, "
                              "kmeans++ all)")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--num-workers", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=16, help="images per forward pass")
+    parser.add_argument("--num-workers", type=int, default=4, help="data-loading processes (0: in this process)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--r2-images", nargs="*", default=[], metavar="SET",
                         help="also the positional probe's (x, y) R² on these image sets (e.g. textures noise; any "
