@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from .options import checkpoints_by_model, parse_model_args
+from ..files import check_folder_path
+from .options import add_figure_arguments, at_least, checkpoints_by_model, parse_model_args
 
 ACTIONS = {
     "train": "train a pixel classifier from images and sparse label images",
@@ -36,6 +38,7 @@ OUT_FORMATS = ("auto", "png", "tif", "ome-zarr", "bigtiff")
 STREAMED_FORMATS = ("ome-zarr", "bigtiff")
 # Larger images (and zarr stores) are read lazily and segmented tile by tile; smaller ones are read whole.
 WHOLE_PIXELS = 4096 * 4096
+MIN_SYNTHETIC_SIZE = 64  # px: below it, the benchmark's generated images are warned about
 
 
 def _add_backbone_arguments(p, several: bool):
@@ -56,22 +59,26 @@ def _add_backbone_arguments(p, several: bool):
 
 
 def _add_common(p):
-    p.add_argument("--classifier", choices=("xgboost", "random_forest"), default="xgboost")
+    p.add_argument("--classifier", choices=("xgboost", "random_forest"), default="xgboost",
+                   help="pixel classifier: xgboost (default; histogram method, balanced classes) or random_forest")
     p.add_argument("--intensity", choices=("training", "auto", "percentile", "minmax", "dtype"), default="training",
                    help="how images are scaled to [0, 1]: training (default: black/white points fitted once on "
                         "the training images' pooled pixels, stored with the model, applied unchanged to every "
                         "image); or each image by itself: auto (0.5–99.5th percentiles for grayscale, dtype for "
                         "colour), percentile, minmax, dtype")
-    p.add_argument("--components", type=int, default=9, help="PCA components of the ViT features")
-    p.add_argument("--trees", type=int, default=None,
+    p.add_argument("--components", type=at_least(1), default=9, help="PCA components of the ViT features")
+    p.add_argument("--trees", type=at_least(1), default=None,
                    help="number of trees (boosting rounds, or forest size) instead of the classifier's default")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the classifier, of the pixel sample it trains on and of random backbone weights")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     t = sub.add_parser("train", help=ACTIONS["train"], description=ACTIONS["train"])
-    t.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE")
+    t.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE",
+                   help="training images: folders (their PNG/TIFF/JPEG/BMP files) and/or files; multi-page TIFFs "
+                        "are stacks")
     t.add_argument("--labels", nargs="+", required=True, metavar="DIR_OR_FILE",
                    help="label images: 0 = unlabelled, 1..K = classes, paired with the images by file name")
     _add_backbone_arguments(t, several=False)
@@ -79,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--features", default=None, metavar="MODULE:FUNCTION",
                    help="user feature hook: a function taking the scaled image ((H, W) or (H, W, 3) floats in "
                         "[0, 1]) and returning (H, W, F) features; stored by import path, never pickled")
-    t.add_argument("--modal", type=int, default=0, metavar="N",
+    t.add_argument("--modal", type=at_least(0), default=0, metavar="N",
                    help="majority (modal) filter of odd window N px on the masks (default 0: none)")
     t.add_argument("--colour", choices=("channels", "grey"), default="channels",
                    help="colour images: featurised per channel (default; the model then takes colour images only) "
@@ -87,11 +94,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--crf", nargs="?", const="paper", choices=("paper", "library"), default=None,
                    help="refine predictions with a dense CRF when applying: preset paper (the paper notebook's "
                         "sxy values; the default of a bare --crf) or library (the authors' backend's defaults)")
-    t.add_argument("--out", type=Path, required=True, metavar="MODEL_DIR")
+    t.add_argument("--out", type=Path, required=True, metavar="MODEL_DIR",
+                   help="folder to write the model to (config.json, classifier.json; what apply --model reads)")
     a = sub.add_parser("apply", help=ACTIONS["apply"], description=ACTIONS["apply"])
-    a.add_argument("--model", type=Path, required=True, metavar="MODEL_DIR")
-    a.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE")
-    a.add_argument("--out", type=Path, required=True, metavar="DIR")
+    a.add_argument("--model", type=Path, required=True, metavar="MODEL_DIR",
+                   help="a model folder written by 'segment train' or the app's Save")
+    a.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE",
+                   help="images to segment: folders and/or files (several folders may hold the same names)")
+    a.add_argument("--out", type=Path, required=True, metavar="DIR",
+                   help="output folder: <name>_mask.png, <name>_overlay.png, area_fractions.csv, colour_key.png, "
+                        "segment_run.json (one model per folder; a second run of the same model adds to it)")
     a.add_argument("--recursive", action="store_true",
                    help="also segment images in subfolders of the --images folders; outputs mirror the subfolders")
     a.add_argument("--out-format", choices=OUT_FORMATS, default="auto",
@@ -107,24 +119,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--crf", choices=("model", "on", "off", "paper", "library"), default="model",
                    help="dense-CRF clean-up: as the model was trained (default), on (preset paper), off, or a "
                         "preset (paper, library)")
-    a.add_argument("--modal", type=int, default=None, metavar="N",
+    a.add_argument("--modal", type=at_least(0), default=None, metavar="N",
                    help="majority filter of odd window N px (0: none; default: as the model was trained)")
-    a.add_argument("--device", default=None)
+    a.add_argument("--device", default=None, help="where a ViT backbone runs (default: cuda if available, else cpu)")
     b = sub.add_parser("benchmark", help=ACTIONS["benchmark"], description=ACTIONS["benchmark"])
-    for name in ("train-images", "train-masks", "test-images", "test-masks"):
-        b.add_argument(f"--{name}", nargs="+", metavar="DIR_OR_FILE")
+    for name, what in (("train-images", "training images"), ("train-masks", "their complete ground-truth masks"),
+                       ("test-images", "test images"), ("test-masks", "their ground-truth masks")):
+        b.add_argument(f"--{name}", nargs="+", metavar="DIR_OR_FILE",
+                       help=f"{what}: folders and/or files, paired by name (without --synthetic)")
     b.add_argument("--synthetic", action="store_true",
                    help="use generated 3-phase micrographs (offline; not the paper's data)")
     b.add_argument("--composition-shift", action="store_true",
                    help="generated data whose test images lack the brightest of three phases, run once per "
                         "intensity mode (training, percentile, minmax, dtype; --intensity is not used)")
-    b.add_argument("--synthetic-size", type=int, default=256)
-    b.add_argument("--synthetic-count", type=int, nargs=2, default=(5, 5), metavar=("TRAIN", "TEST"))
+    b.add_argument("--synthetic-size", type=at_least(1), default=256,
+                   help=f"side of the generated square images in px (default %(default)s; under {MIN_SYNTHETIC_SIZE} "
+                        "is warned about)")
+    b.add_argument("--synthetic-count", type=at_least(1), nargs=2, default=(5, 5), metavar=("TRAIN", "TEST"),
+                   help="number of generated training and test images (default 5 5)")
     _add_backbone_arguments(b, several=True)
     _add_common(b)
-    b.add_argument("--rounds", type=int, default=5)
-    b.add_argument("--per-class", type=int, default=1, help="scribbles per class per training image per round")
-    b.add_argument("--out", type=Path, default=Path("segment_benchmark"), metavar="DIR")
+    b.add_argument("--rounds", type=at_least(1), default=5,
+                   help="scribble rounds: each adds --per-class scribbles per class per image and retrains (default 5)")
+    b.add_argument("--per-class", type=at_least(1), default=1, help="scribbles per class per training image per round")
+    b.add_argument("--out", type=Path, default=Path("segment_benchmark"), metavar="DIR",
+                   help="output folder: benchmark.csv, miou_vs_round and examples figures (default %(default)s)")
+    add_figure_arguments(b)
 
 
 def _pair(images, labels, what="labels"):
@@ -159,6 +179,11 @@ def _image_label_pairs(image_sources, label_sources, what="labels"):
 
     images = [p for p in image_files if not (p in shared and is_label(p))]
     labels = [p for p in label_files if p not in shared or is_label(p)]
+    paired_stems = {p.stem + s for p in images for s in LABEL_SUFFIXES}
+    orphans = [p.name for p in labels if p.stem not in paired_stems]
+    if orphans:
+        warnings.warn(f"{len(orphans)} {what} file(s) match no image and are not used: "
+                      f"{', '.join(orphans[:5])}{' …' if len(orphans) > 5 else ''}")
     if not images or not labels:
         found = ", ".join(p.name for p in image_files[:5]) + (" …" if len(image_files) > 5 else "")
         raise ValueError(f"found no {'images' if not images else what} to pair among {len(image_files)} file(s) "
@@ -168,7 +193,13 @@ def _image_label_pairs(image_sources, label_sources, what="labels"):
 
 
 def _check_backbone_weights(args, names):
-    """Backbones need --pretrained, a checkpoint or --allow-random-init: random features must be asked for."""
+    """Backbones need --pretrained, a checkpoint or --allow-random-init: random features must be asked for.
+    An unknown name is said first (a misspelt name has no weights either, but that is not the problem)."""
+    if names:
+        from ..models.checkpoint import check_model_name
+
+        for name in names:
+            check_model_name(name)
     checkpoints = checkpoints_by_model(args.checkpoint, names) if args.checkpoint else {}
     random = [n for n in names if n not in checkpoints and not args.pretrained]
     if random and not args.allow_random_init:
@@ -180,25 +211,10 @@ def _check_backbone_weights(args, names):
     return checkpoints
 
 
-def _check_out_folder(out: Path, option: str = "--out") -> None:
-    """Fail before any work when the output folder cannot be one (it, or a folder above it, is a file)."""
-    for place in (out, *out.parents):
-        if place.exists():
-            if not place.is_dir():
-                raise ValueError(f"{option} {out}: {place} is an existing file; give a folder")
-            return
-
-
 def _classifier_params(args):
     if args.trees is not None and args.trees < 1:
         raise ValueError(f"--trees must be at least 1, got {args.trees}")
     return {} if args.trees is None else {"n_estimators": args.trees}
-
-
-def _stem(path: Path) -> str:
-    """The name outputs are named after: the file name without its image suffixes (``a.ome.zarr`` → ``a``)."""
-    name = path.name[:-len(".zarr")] if path.name.lower().endswith(".zarr") else path.stem
-    return name[:-len(".ome")] if name.lower().endswith(".ome") and len(name) > 4 else name
 
 
 def _streamed_view(path: Path, out_format: str):
@@ -235,7 +251,7 @@ def _train(args) -> int:
         backbone_kwargs = dict(checkpoint=checkpoints.get(args.backbone), model_kwargs=parse_model_args(args.model_arg),
                                pretrained=args.pretrained and args.backbone not in checkpoints)
     pairs = _image_label_pairs(args.images, args.labels)
-    _check_out_folder(args.out)
+    check_folder_path(args.out)
     images, labels = [], []
     for img, lab in tqdm(pairs, desc="read", disable=len(pairs) < 2):
         view = _streamed_view(img, "auto")
@@ -279,14 +295,14 @@ def _lazy_labels(path: Path):
     return read_labels(path)
 
 
-def _segment_streamed(seg, path: Path, image, dest: Path, name: str, args):
+def _segment_streamed(seg, path: Path, image, dest: Path, stem: str, name: str, args):
     """Segment one image tile by tile into ``dest``; (class pixel counts, pixel count) for the CSV."""
     from ..chunked import is_zarr_path
     from ..trainable.stream import segment_to_files
 
     fmt = args.out_format if args.out_format in STREAMED_FORMATS else "ome-zarr" if is_zarr_path(path) else "bigtiff"
     started, cpu = time.perf_counter(), time.process_time()
-    result = segment_to_files(seg, image, dest, _stem(path), fmt, proba=args.proba, overlays=not args.no_overlay)
+    result = segment_to_files(seg, image, dest, stem, fmt, proba=args.proba, overlays=not args.no_overlay)
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     if result.note:
         tqdm.write(f"note: {result.note}", file=sys.stderr)
@@ -296,37 +312,60 @@ def _segment_streamed(seg, path: Path, image, dest: Path, name: str, args):
 
 
 def _apply(args) -> int:
-    import warnings
+    from functools import partial
 
-    from ..images import ImageReadError, read_array, scale_colour
+    from ..images import ImageReadError
     from ..trainable import TrainableSegmenter
-    from ..trainable.io import (area_fractions, list_image_files, overlay, read_slices, write_colour_key,
-                                write_fractions_csv, write_mask, write_proba)
-    from ..trainable.writers import OutputError
+    from ..trainable.io import list_image_files, write_colour_key, write_fractions_csv
+    from ..trainable.output_folder import CSV_NAME, OutputFolder, model_digest, output_names
 
-    files, where = [], {}  # where: image → (output folder, name in the CSV)
+    files, sources, relative = [], [], []
     for src in args.images:
         for f in list_image_files([src], recursive=args.recursive):
-            rel = f.relative_to(src) if Path(src).is_dir() else Path(f.name)
             files.append(f)
-            where[f] = (args.out / rel.parent, rel.as_posix())
-    _check_out_folder(args.out)
+            sources.append(Path(src))
+            relative.append(f.relative_to(src) if Path(src).is_dir() else Path(f.name))
+    outputs, notes = output_names(files, sources, relative)
+    for note in notes:
+        warnings.warn(note)
+    where = {f: (args.out / o.folder, o.row, o.stem) for f, o in zip(files, outputs)}  # output folder, CSV name, stem
+    check_folder_path(args.out)
     streamed = {}  # image → its chunked view (or its array, for a streamed format) when it is streamed
     for path in files:
         try:
             streamed[path] = _streamed_view(path, args.out_format)
         except ImageReadError as err:  # reported in the loop below
             streamed[path] = err
+    if args.modal is not None and args.modal % 2 == 0 and args.modal:
+        raise ValueError(f"--modal must be 0 or an odd window size, got {args.modal}")
     seg = TrainableSegmenter.load(args.model, device=args.device)
-    args.out.mkdir(parents=True, exist_ok=True)
     if args.modal is not None:
-        if args.modal < 0 or (args.modal and args.modal % 2 == 0):
-            raise ValueError(f"--modal must be 0 or an odd window size, got {args.modal}")
         seg.modal = args.modal
     if args.crf != "model":
         seg.crf = {"on": "paper", "off": False}.get(args.crf, args.crf)
     k = int(seg.classes_.max())
-    failed, names, counts = [], [], []
+    settings = {"model": str(Path(args.model).resolve()), "model_digest": model_digest(args.model), "crf": seg.crf or "off",
+                "modal": seg.modal, "format": args.out_format, "proba": args.proba, "overlay": not args.no_overlay}
+    with OutputFolder(args.out, settings, partial(write_fractions_csv, classes=seg.classes_)) as folder:
+        failed = _apply_all(args, seg, files, where, folder, k, streamed)
+    write_colour_key(args.out / "colour_key.png", seg.classes_, k)
+    print(f"segmented {len(files) - len(failed)} of {len(files)} image(s) into {args.out} "
+          f"(area fractions per class in {args.out / CSV_NAME})")
+    if failed:
+        print(f"alibi-vit segment: error: {len(failed)} image(s) could not be read: {', '.join(failed)}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _apply_all(args, seg, files, where, folder, k, streamed) -> list[str]:
+    """Segment ``files`` into ``folder`` (an :class:`OutputFolder`); the names of those that could not be read.
+    ``streamed``: per image its lazy view when it is segmented tile by tile, an error when it cannot be opened."""
+    from ..images import read_array, scale_colour
+    from ..trainable.io import area_fractions, overlay, read_slices, write_mask, write_proba
+    from ..trainable.writers import OutputError
+
+    failed = []
 
     def read(path):
         stack = read_slices(path)
@@ -349,15 +388,17 @@ def _apply(args) -> int:
             failed.append(path.name)
             continue
         if streamed[path] is not None:
+            row, stem = where[path][1], where[path][2]
             try:
-                counts.append(_segment_streamed(seg, path, streamed[path], *where[path], args))
+                counts, size = _segment_streamed(seg, path, streamed[path], folder.stage(where[path][0]), stem, row,
+                                                 args)
             except OutputError:
                 raise
             except (OSError, ValueError) as err:  # a damaged tile: this image is skipped, the others go on
                 warnings.warn(f"skipped {path}: {err}")
                 failed.append(path.name)
                 continue
-            names.append(where[path][1])
+            folder.commit(row, path, [(row, counts, size)])
             continue
         try:
             arrays, is_stack = read(path)
@@ -375,35 +416,27 @@ def _apply(args) -> int:
         probas = [seg.predict_proba([x], scaled=True)[0]
                   for x in tqdm(scaled, desc=f"{path.name} slices", leave=False, disable=not is_stack)]
         masks = [seg.mask_from_proba(p) for p in probas]
-        dest = where[path][0]
-        for z, mask in enumerate(masks):
-            names.append(f"{where[path][1]}[{z}]" if is_stack else where[path][1])
-            counts.append((area_fractions(mask, seg.classes_)[0], mask.size))
+        dest, row, stem = folder.stage(where[path][0]), where[path][1], where[path][2]
+        rows = [(f"{row}[{z}]" if is_stack else row, area_fractions(mask, seg.classes_)[0], mask.size)
+                for z, mask in enumerate(masks)]
         if is_stack:  # written back as a stack: TIFF whatever --format says; no overlays
-            write_mask(dest / f"{path.stem}_mask.tif", np.stack(masks), k)
+            write_mask(dest / f"{stem}_mask.tif", np.stack(masks), k)
             if args.proba:
-                write_proba(dest, path.stem, np.stack(probas), seg.classes_)
+                write_proba(dest, stem, np.stack(probas), seg.classes_)
+            folder.commit(row, path, rows)
             continue
         array, image01, proba, mask = arrays[0], scaled[0], probas[0], masks[0]
-        write_mask(dest / f"{path.stem}_mask.{'tif' if args.out_format == 'tif' else 'png'}", mask, k)
+        write_mask(dest / f"{stem}_mask.{'tif' if args.out_format == 'tif' else 'png'}", mask, k)
         if args.proba:
-            write_proba(dest, path.stem, proba, seg.classes_)
+            write_proba(dest, stem, proba, seg.classes_)
         if not args.no_overlay:
             from PIL import Image
 
             # Colour images are shown in their own colours (by dtype), grayscale as the model scaled it.
             shown = scale_colour(array, "auto", str(path)) if image01.ndim == 3 else image01
-            Image.fromarray(overlay(shown, mask, 0.4, k)).save(dest / f"{path.stem}_overlay.png")
-    if names:
-        write_fractions_csv(args.out / "area_fractions.csv", names, counts, seg.classes_)
-        write_colour_key(args.out / "colour_key.png", seg.classes_, k)
-    print(f"segmented {len(files) - len(failed)} of {len(files)} image(s) into {args.out} "
-          f"(area fractions per class in {args.out / 'area_fractions.csv'})")
-    if failed:
-        print(f"alibi-vit segment: error: {len(failed)} image(s) could not be read: {', '.join(failed)}",
-              file=sys.stderr)
-        return 1
-    return 0
+            Image.fromarray(overlay(shown, mask, 0.4, k)).save(dest / f"{stem}_overlay.png")
+        folder.commit(row, path, rows)
+    return failed
 
 
 def _read_set(image_sources, mask_sources, what):
@@ -419,10 +452,11 @@ def _benchmark(args) -> int:
     from ..synthetic import synthetic_dataset
     from ..trainable.benchmark import compare_intensity, composition_shift_data, scribble_benchmark, write_outputs
 
-    if args.rounds < 1:
-        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+    if (args.synthetic or args.composition_shift) and args.synthetic_size < MIN_SYNTHETIC_SIZE:
+        warnings.warn(f"--synthetic-size {args.synthetic_size}: images under {MIN_SYNTHETIC_SIZE} px are smaller "
+                      "than the filters' reach (σ up to 16 px) and hold few scribbles: the scores mean little")
     checkpoints = _check_backbone_weights(args, args.backbone)
-    _check_out_folder(args.out)
+    check_folder_path(args.out)
     if args.composition_shift:
         if args.train_images or args.test_images:
             raise ValueError("--composition-shift generates its data: give no --train-images/--test-images")
@@ -434,6 +468,11 @@ def _benchmark(args) -> int:
     else:
         tr, trm, _ = _read_set(args.train_images, args.train_masks, "train")
         te, tem, _ = _read_set(args.test_images, args.test_masks, "test")
+        unseen = sorted(set(np.unique(np.concatenate([m.ravel() for m in tem]))) - {0}
+                        - set(np.unique(np.concatenate([m.ravel() for m in trm]))))
+        if unseen:
+            raise ValueError(f"the test masks hold class(es) {', '.join(map(str, unseen))} that no training mask "
+                             "has: a classifier cannot predict them, so the scores would mean nothing")
     backbones = {"classical": None}
     if args.backbone:
         from ..models.checkpoint import create_backbone
@@ -454,7 +493,8 @@ def _benchmark(args) -> int:
                                                      segmenter_kwargs={**seg_kwargs, "intensity": args.intensity},
                                                      **run_kwargs)
     paths = write_outputs(args.out, rows, preds, te, test_masks,
-                          intensity="auto" if args.composition_shift else args.intensity)
+                          intensity="auto" if args.composition_shift else args.intensity,
+                          figure_format=args.figure_format, dpi=args.dpi)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     print("round  " + "  ".join(methods))
     for r in range(1, args.rounds + 1):
