@@ -59,7 +59,7 @@ def _add_common(p, several: bool = False):
     p.add_argument("--classifier", choices=CLASSIFIERS, default=listed(DEFAULT_CLASSIFIER), **many,
                    help=f"pixel classifier (default {DEFAULT_CLASSIFIER}; README §7 gives the benchmark behind it){either}")
     p.add_argument("--filters", choices=tuple(FILTER_SETS), default=listed(DEFAULT_FILTERS), **many,
-                   help=f"classical filter set: compact (default, 33 features) or weka (the paper's 63){either}")
+                   help=f"classical filter set: compact (default, 29 features) or weka (the paper's 63){either}")
     p.add_argument("--intensity", choices=("training", "auto", "percentile", "minmax", "dtype"),
                    default=listed("training"), **many,
                    help="how images are scaled to [0, 1]: training (default: black/white points fitted once on "

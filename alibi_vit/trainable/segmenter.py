@@ -135,14 +135,15 @@ class TrainableSegmenter:
     backbone: None (classical features only), a model name for :func:`alibi_vit.create_backbone`
         (with ``checkpoint``/``pretrained``/``model_kwargs``), or an ``nn.Module`` that
         :func:`alibi_vit.patch_features` accepts.
-    classifier: "xgboost" (default) or "random_forest" (XGBoost's random-forest mode); extra
-        settings in ``classifier_params``. Classes are balanced by sample weights.
+    classifier: "random_forest" (default: XGBoost's random-forest mode) or "xgboost" (boosting); extra
+        settings in ``classifier_params`` (see :mod:`~alibi_vit.trainable.classifier`). Classes are
+        balanced by sample weights.
     crf: refine probabilities with a dense CRF, tiled like the features (``tile`` px cores, 128 px
         overlap; :func:`~alibi_vit.trainable.crf.dense_crf_tiled`): False (default), a preset name
         ("paper": the paper notebook's sxy values; "library": the authors' backend library's
         defaults; see :mod:`~alibi_vit.trainable.crf`), or True for "paper". ``crf_params``
         overrides single values.
-    filters: the classical filter set, "compact" (default, 33 features) or "weka" (the paper's 63;
+    filters: the classical filter set, "compact" (default, 29 features) or "weka" (the paper's 63;
         models saved before filter sets existed load as "weka"); see :mod:`~alibi_vit.trainable.classical`.
     sigmas, sigma_scale: the classical filters' scales, by default the filter set's own.
     n_components: ViT PCA components (default 9). vit_tile, vit_overlap: ViT tiling in px.
