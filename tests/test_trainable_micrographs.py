@@ -156,3 +156,23 @@ def test_manifest_is_json_with_sources():
     data = json.loads(FOLDER.joinpath("manifest.json").read_text())
     assert all(e["source"].startswith("github.com/") for e in data["images"])
     assert "MIT" in FOLDER.joinpath("README.md").read_text()
+
+
+def test_models_saved_before_the_new_defaults_load_and_segment_the_same(tmp_path):
+    """A model folder of the former defaults (XGBoost, the Weka filters, no "filters" key, crf "paper")
+    loads with this version and gives the masks it gave when saved."""
+    from alibi_vit.trainable import TrainableSegmenter, scribbles, synthetic_micrograph
+
+    image, mask = synthetic_micrograph(64, seed=0)
+    old = TrainableSegmenter(classifier="xgboost", filters="weka", crf="paper",
+                             classifier_params={"n_estimators": 5}).fit([image], [scribbles(mask, 2, rng=0)])
+    expected = old.predict([image])[0]
+    old.save(tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    del config["filters"]  # what a model folder written before filter sets existed holds
+    assert len(config["feature_names"]) == 63
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    loaded = TrainableSegmenter.load(tmp_path / "model")
+    assert (loaded.filters, loaded.classifier_kind, loaded.crf) == ("weka", "xgboost", "paper")
+    assert loaded.feature_names == config["feature_names"]
+    np.testing.assert_array_equal(loaded.predict([image])[0], expected)

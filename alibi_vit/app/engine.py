@@ -86,6 +86,7 @@ class Engine:
         """The segmenter of the current settings (rebuilt when the backbone choice changes; a CRF
         change only switches its post-processing)."""
         from ..trainable import TrainableSegmenter
+        from ..trainable.segmenter import DEFAULT_CRF_PRESET
 
         lo_hi = self.session.fix_intensity()
         backbone = self.session.settings.get("backbone")
@@ -96,7 +97,7 @@ class Engine:
                                                  cache=self.cache, device=self.device, **kwargs)
             self._segmenter_key, self.model = key, None
             self.predictions.clear()
-        self._segmenter.crf = "paper" if self.session.settings.get("crf") else False
+        self._segmenter.crf = DEFAULT_CRF_PRESET if self.session.settings.get("crf") else False
         return self._segmenter
 
     def settings_changed(self) -> None:

@@ -76,6 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..trainable.crf import CRF_PRESETS
     from ..trainable.datasets import DATASETS
     from ..trainable.micrograph_benchmark import PROTOCOLS
+    from ..trainable.segmenter import DEFAULT_CRF_PRESET
 
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     t = sub.add_parser("train", help=ACTIONS["train"], description=ACTIONS["train"])
@@ -92,9 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--colour", choices=("channels", "grey"), default="channels",
                    help="colour images: featurised per channel (default; the model then takes colour images only) "
                         "or converted to grey (luma)")
-    t.add_argument("--crf", nargs="?", const="paper", choices=("paper", "library"), default=None,
-                   help="refine predictions with a dense CRF when applying: preset paper (the paper notebook's "
-                        "sxy values; the default of a bare --crf) or library (the authors' backend's defaults)")
+    t.add_argument("--crf", nargs="?", const=DEFAULT_CRF_PRESET, choices=tuple(CRF_PRESETS), default=None,
+                   help=f"refine predictions with a dense CRF when applying: preset gentle (chosen on the labelled "
+                        f"micrographs, keeps thin phases; the default of a bare --crf), paper (the paper notebook's "
+                        f"sxy values) or library (the authors' backend's defaults)")
     t.add_argument("--out", type=Path, required=True, metavar="MODEL_DIR")
     a = sub.add_parser("apply", help=ACTIONS["apply"], description=ACTIONS["apply"])
     a.add_argument("--model", type=Path, required=True, metavar="MODEL_DIR")
@@ -106,9 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--no-overlay", action="store_true", help="write only the masks, no overlay PNGs")
     a.add_argument("--proba", action="store_true",
                    help="also write per-class probability TIFFs (<name>_proba_<class>.tif, float32)")
-    a.add_argument("--crf", choices=("model", "on", "off", "paper", "library"), default="model",
-                   help="dense-CRF clean-up: as the model was trained (default), on (preset paper), off, or a "
-                        "preset (paper, library)")
+    a.add_argument("--crf", choices=("model", "on", "off") + tuple(CRF_PRESETS), default="model",
+                   help=f"dense-CRF clean-up: as the model was trained (default), on (preset {DEFAULT_CRF_PRESET}), "
+                        f"off, or a preset ({', '.join(CRF_PRESETS)})")
     a.add_argument("--modal", type=int, default=None, metavar="N",
                    help="majority filter of odd window N px (0: none; default: as the model was trained)")
     a.add_argument("--device", default=None)
@@ -256,6 +258,8 @@ def _train(args) -> int:
 def _apply(args) -> int:
     import warnings
 
+    from ..trainable.segmenter import DEFAULT_CRF_PRESET
+
     from ..images import read_array, scale_colour
     from ..trainable import TrainableSegmenter
     from ..trainable.io import (area_fractions, list_image_files, overlay, read_slices, write_colour_key,
@@ -275,7 +279,7 @@ def _apply(args) -> int:
             raise ValueError(f"--modal must be 0 or an odd window size, got {args.modal}")
         seg.modal = args.modal
     if args.crf != "model":
-        seg.crf = {"on": "paper", "off": False}.get(args.crf, args.crf)
+        seg.crf = {"on": DEFAULT_CRF_PRESET, "off": False}.get(args.crf, args.crf)
     k = int(seg.classes_.max())
     failed, names, counts = [], [], []
 
