@@ -136,6 +136,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --dataset: sparse (seeded strokes from the ground truth), dense (every pixel), authors "
                         "(the ISB authors' scribbles, where an image has them); default all three")
     b.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="with --dataset: seeds (default 0 1 2)")
+    b.add_argument("--dense-seeds", type=int, nargs="+", default=None,
+                   help="with --dataset: seeds of the dense protocol (default --seeds; only the classifier's "
+                        "randomness varies there)")
     b.add_argument("--crf", nargs="+", choices=("off",) + tuple(CRF_PRESETS), default=None,
                    help="with --dataset: CRF settings to compare (default: the segmenter's default)")
     b.add_argument("--crop", type=int, default=None, metavar="PX",
@@ -450,13 +453,14 @@ def _dataset_benchmark(args) -> int:
     classifiers = {c: (c, _classifier_params(args)) for c in args.classifier}
     crfs = {c: (False if c == "off" else (c, {})) for c in (args.crf or ["off" if not DEFAULT_CRF else DEFAULT_CRF])}
     rows = micrograph_benchmark(items, features, classifiers, crfs, protocols=args.protocol, seeds=args.seeds,
-                                progress=True)
+                                dense_seeds=args.dense_seeds, progress=True)
     if not rows:
         raise ValueError(f"no run: protocol(s) {', '.join(args.protocol)} label none of the chosen images")
     load = os.getloadavg()[0]
     header = [f"# Segmentation benchmark on the labelled micrographs: dataset `{args.dataset}`", "",
               f"{len(items)} image(s){f' (central {args.crop} px)' if args.crop else ''}, seeds "
-              f"{' '.join(map(str, args.seeds))}; per image: label by the protocol, train on that image, segment it, "
+              f"{' '.join(map(str, args.seeds))}"
+              + (f" (dense: {' '.join(map(str, args.dense_seeds))})" if args.dense_seeds else "") + "; per image: label by the protocol, train on that image, segment it, "
               f"score it against its ground truth. Load average at the end: {load:.1f} (scores do not depend on it).",
               ""]
     paths = write_tables(args.out, rows, header)

@@ -69,20 +69,22 @@ def class_ious(pred: np.ndarray, truth: np.ndarray, k: int) -> list[float]:
 
 
 def micrograph_benchmark(items, features: dict, classifiers: dict, crfs: dict, protocols=("sparse",), seeds=(0, 1, 2),
-                         cache_bytes: int = 3 << 30, progress: bool = False) -> list[dict]:
+                         dense_seeds=None, cache_bytes: int = 3 << 30, progress: bool = False) -> list[dict]:
     """One row per run: configuration, its parts, protocol, image, split, seed, labelled pixels,
     miou, pixel_accuracy and the IoU of each class (``iou_1``…).
 
     items: :class:`~.datasets.LabelledMicrograph` list. features: {name: TrainableSegmenter keyword
     arguments}. classifiers: {name: (kind, classifier_params)}. crfs: {name: False or (preset,
-    crf_params)}. The same seed gives the same labels in every configuration.
+    crf_params)}. The same seed gives the same labels in every configuration. dense_seeds: the
+    dense protocol's seeds (default ``seeds``; only the classifier's randomness varies there).
     """
     for p in protocols:
         if p not in PROTOCOLS:
             raise ValueError(f"unknown protocol {p!r}; choose from {', '.join(PROTOCOLS)}")
     cache = FeatureCache(cache_bytes)
     jobs = [(f, c, p, item, s) for item in items for f in features for c in classifiers for p in protocols
-            for s in seeds if protocol_labels(item, p, s) is not None]
+            for s in (dense_seeds if p == "dense" and dense_seeds is not None else seeds)
+            if protocol_labels(item, p, s) is not None]
     rows = []
     for fname, cname, protocol, item, seed in tqdm(jobs, desc="benchmark", disable=not progress):
         labels = protocol_labels(item, protocol, seed)
