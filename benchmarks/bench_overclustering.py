@@ -1,4 +1,4 @@
-"""Time and memory of OverClustering (README.md "Method" §9) at the size of the VOC12 val set.
+"""Time and memory of OverClustering (docs/method.md §9) at the size of the VOC12 val set.
 
 Features are what ``alibi-vit overcluster`` holds after the backbone pass: 1,449 images × 37×37
 patches (518 px, patch 14) × C = 384 channels in float16 (1.52 GB), with one uint8 label per

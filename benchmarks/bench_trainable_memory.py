@@ -1,4 +1,4 @@
-"""Memory of trainable segmentation where issue 19 set bounds (2-core CPU: the numbers in README.md).
+"""Memory of trainable segmentation where issue 19 set bounds (2-core CPU: the numbers in docs/segmentation.md and docs/method.md §7).
 
     python benchmarks/bench_trainable_memory.py           # four fully labelled 2048² images; 4096² with crf
     python benchmarks/bench_trainable_memory.py --smoke   # small sizes, checks the script works

@@ -1,4 +1,4 @@
-"""The README's colour example: a stained micrograph segmented per channel and as grey.
+"""The colour example of docs/segmentation.md: a stained micrograph segmented per channel and as grey.
 
     python benchmarks/trainable_colour_example.py   # writes benchmarks/results/trainable_seg_colour_example.png
 

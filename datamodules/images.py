@@ -1,7 +1,7 @@
 """Unlabelled image DataModules for distillation: a folder of images, COCO, or scikit-image's bundled images.
 
 Every sample is the DINOv2 preprocessing of one image: shortest side resized to the stage's
-``image_size``, centre crop, ImageNet normalisation; no augmentation (README.md "Method" §4).
+``image_size``, centre crop, ImageNet normalisation; no augmentation (docs/method.md §4).
 Batches are plain tensors (B, 3, S, S). How pixel values become [0, 1] first is the
 ``intensity`` mode of :mod:`alibi_vit.images` (``auto``, ``dtype``, ``minmax``, ``percentile``).
 

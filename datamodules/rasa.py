@@ -1,4 +1,4 @@
-"""Training data of RASA post-training (README.md "Method" §8), as the RASA reference feeds it.
+"""Training data of RASA post-training (docs/method.md §8), as the RASA reference feeds it.
 
 The reference trains the position head on Pascal VOC 2012 ``train`` (1,464 images; Franca's RASA:
 ``trainaug``) with random resized crops (518 px, 25–100 % of the area), colour jitter, grayscale,

@@ -1,4 +1,4 @@
-"""Segmentation datasets in their released on-disk layouts, for the linear probes (README.md "Method" §6).
+"""Segmentation datasets in their released on-disk layouts, for the linear probes (docs/method.md §6).
 
 Four datamodules, each pointed at ``--data.root``:
 

@@ -1,4 +1,4 @@
-"""Attention kernels with the 2D wrapped, normalised ALiBi bias (README.md "Method" §2)."""
+"""Attention kernels with the 2D wrapped, normalised ALiBi bias (docs/method.md §2)."""
 
 from .alibi_bias import METRICS, alibi_bias, check_grid, max_distance, patch_distances
 from .attention import BACKENDS, alibi_attention, resolve_backend

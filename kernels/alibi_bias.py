@@ -1,4 +1,4 @@
-"""Geometry of the 2D wrapped, normalised ALiBi bias (README.md "Method" §2).
+"""Geometry of the 2D wrapped, normalised ALiBi bias (docs/method.md §2).
 
 Tokens are ``[prefix tokens..., P(0,0), P(0,1), ..., P(h-1,w-1)]``. For two patches the
 distance is Euclidean over row/column offsets, each offset optionally wrapped around the
@@ -50,7 +50,7 @@ def _combine(dy: torch.Tensor, dx: torch.Tensor, metric: str) -> torch.Tensor:
 
 
 def max_distance(grid_size, wrap: bool = True, metric: str = "euclidean") -> float:
-    """Largest patch-to-patch distance on the grid: the normaliser ``d_max`` of README.md "Method" §2.
+    """Largest patch-to-patch distance on the grid: the normaliser ``d_max`` of docs/method.md §2.
 
     ``metric="manhattan"``: ``⌊h/2⌋ + ⌊w/2⌋`` with wrap, ``(h-1) + (w-1)`` without.
     """
@@ -84,7 +84,7 @@ def patch_distances(grid_size, *, wrap: bool = True, normalize: bool = True,
 
 def alibi_bias(grid_size, num_prefix_tokens: int, *, wrap: bool = True, normalize: bool = True,
                device=None, dtype=torch.float32, metric: str = "euclidean") -> torch.Tensor:
-    """The (N, N) bias matrix ``B`` of README.md "Method" §2 with ``N = num_prefix_tokens + h·w``.
+    """The (N, N) bias matrix ``B`` of docs/method.md §2 with ``N = num_prefix_tokens + h·w``.
 
     ``B = -d̂`` between patches and 0 for every pair involving a prefix token. No slope is
     applied. Materialising this is O(N²): the fused backends never do.

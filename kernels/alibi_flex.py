@@ -1,4 +1,4 @@
-"""FlexAttention backend for the 2D ALiBi bias of README.md "Method" §2.
+"""FlexAttention backend for the 2D ALiBi bias of docs/method.md §2.
 
 ``torch.nn.attention.flex_attention`` applies a ``score_mod(score, b, h, q_idx, kv_idx)`` to
 every logit inside a fused kernel; ``score`` already carries the ``1/sqrt(head_dim)`` scale.

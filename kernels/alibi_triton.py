@@ -1,4 +1,4 @@
-"""Fused Triton attention with the 2D wrapped ALiBi bias of README.md "Method" §2.
+"""Fused Triton attention with the 2D wrapped ALiBi bias of docs/method.md §2.
 
 Algorithm
 ---------
@@ -1103,7 +1103,7 @@ def triton_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, 
         num_prefix_tokens: CLS/register tokens at the front (zero bias).
         slopes: (heads,) tensor, or None for slope 1 on every head (then no slope gradient).
             A gradient reaches it when it requires grad.
-        wrap, normalize: see README.md "Method" §2.
+        wrap, normalize: see docs/method.md §2.
         bias_mode: "table" or "sqrt" (how the kernel derives the bias; same result).
             Default: ``ALIBI_TRITON_BIAS`` or "table"; always "table" for the Manhattan metric.
         metric: "euclidean" (default) or "manhattan" (``d = dy + dx``; table mode only, so an

@@ -1,4 +1,4 @@
-"""Distilling DINOv2 into an ALiBi (or NoPE) student: the recipe of README.md "Method" §4.
+"""Distilling DINOv2 into an ALiBi (or NoPE) student: the recipe of docs/method.md §4.
 
 The teacher is the unmodified DINOv2, frozen; its final-normed patch tokens, with the most
 positional channels zeroed, are the target. The student is the same ViT with ``pos_embed``
@@ -42,14 +42,14 @@ __all__ = ["DistillationModule", "KNOWN_BLANK_CHANNELS", "build_student", "cosin
            "student_state_dict"]
 
 # The most positional channels of a teacher's published weights, blanked in the distillation
-# target (README.md "Method" §4), with the architecture they were measured on.
+# target (docs/method.md §4), with the architecture they were measured on.
 KNOWN_BLANK_CHANNELS = {
     "vit_small_patch14_reg4_dinov2": {"channels": (47, 113, 117, 359), "embed_dim": 384, "depth": 12},
     # the channels the authors blank for their ALiBi DINOv3 ViT-S+/16 student
     "vit_small_plus_patch16_dinov3": {"channels": (74, 123, 149, 267), "embed_dim": 384, "depth": 12},
 }
 
-# Parameters an ALiBi student may have that its teacher lacks: learned slopes (README.md "Method" §2) and the
+# Parameters an ALiBi student may have that its teacher lacks: learned slopes (docs/method.md §2) and the
 # query/value biases of a DINOv3 student built with qkv_bias=True (the authors' S+ student trains them; they
 # start at zero, so the student starts as the teacher).
 _STUDENT_ONLY_KEYS = re.compile(r"^blocks\.\d+\.attn\.(m|q_bias|v_bias)$")
@@ -171,7 +171,7 @@ class DistillationModule(LightningModule):
             stage 1's) or a plain timm state_dict (``.safetensors``/``.pth``) of the student.
         blank_channels: target channels set to zero, the teacher's most positional ones. ``None``
             (default): the known list of the teacher's published weights, which exists only for
-            ``vit_small_patch14_reg4_dinov2`` (47, 113, 117, 359; README.md "Method" §4) and
+            ``vit_small_patch14_reg4_dinov2`` (47, 113, 117, 359; docs/method.md §4) and
             ``vit_small_plus_patch16_dinov3`` (74, 123, 149, 267, the authors' list); any
             other teacher, a changed architecture or a randomly initialised teacher needs an
             explicit list (rank channels with ``alibi-vit channels``). ``[]``: no
@@ -182,7 +182,7 @@ class DistillationModule(LightningModule):
         lr_schedule: ``"constant"`` or ``"cosine"`` decay to ``min_lr`` over the run, stepped per optimizer step.
         compile_student: run the student's forward through ``torch.compile``.
         probe_image_size: size of the fixed probe and PCA images (a multiple of the patch size).
-        probe_fraction, probe_repeats: positional probe settings (README.md "Method" §5).
+        probe_fraction, probe_repeats: positional probe settings (docs/method.md §5).
         probe_noise_images: number of uniform-noise images probed (0: skip).
         pca_images: number of bundled photos shown as PCA-as-RGB of student features (0: skip).
         monitor_heads: at each validation, log the student's per-head prefix mass and mean attention

@@ -1,4 +1,4 @@
-"""RASA post-training of a frozen encoder, every round in one ``lightning fit`` (README.md "Method" §8).
+"""RASA post-training of a frozen encoder, every round in one ``lightning fit`` (docs/method.md §8).
 
 Round t trains a fresh position head (a bias-free 2×C linear layer and a sigmoid) on the frozen
 backbone's final-normed patch tokens with the planes of rounds 1..t−1 removed, against each

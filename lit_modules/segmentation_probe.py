@@ -1,4 +1,4 @@
-"""Segmentation linear probe on a frozen backbone (README.md "Method" §6, paper Tab. 3).
+"""Segmentation linear probe on a frozen backbone (docs/method.md §6, paper Tab. 3).
 
 The backbone (DINOv2, ALiBi-Dv2, NoPE or any timm ViT, built by ``alibi_vit.create_backbone``)
 stays frozen in eval mode; its final-normed patch features go through BatchNorm2d + a 1×1

@@ -1,4 +1,4 @@
-"""The bias matrix against hand-computed values and a loop written straight from README.md "Method" §2."""
+"""The bias matrix against hand-computed values and a loop written straight from docs/method.md §2."""
 
 import math
 
@@ -9,7 +9,7 @@ from kernels import alibi_bias, max_distance
 
 
 def loop_bias(h, w, prefix, wrap, normalize):
-    """README.md "Method" §2 written as plainly as possible, pair by pair."""
+    """docs/method.md §2 written as plainly as possible, pair by pair."""
     if wrap:
         d_max = math.sqrt((h // 2) ** 2 + (w // 2) ** 2)
     else:

@@ -199,7 +199,7 @@ def test_scribble_train_reload_save_apply(micrograph, servers, new_page, tmp_pat
     shown = sum(float(t.split("%")[0]) for t in fractions.locator("td.num").all_inner_texts())
     assert abs(shown - 100) < 0.5
 
-    if os.environ.get("ALIBI_VIT_SCREENSHOT"):   # README's picture: the micrograph shows through the overlay
+    if os.environ.get("ALIBI_VIT_SCREENSHOT"):   # the docs' picture (docs/app.md): the micrograph shows through the overlay
         page.fill("#overlay-opacity", "40")
         page.evaluate("() => document.activeElement && document.activeElement.blur()")
         page.mouse.move(*to_screen(page, SIZE * 0.62, SIZE * 0.4))   # the brush circle on the image
@@ -405,7 +405,7 @@ def test_bad_input_shows_the_servers_message(micrograph, servers, new_page, tmp_
 
 
 def test_speed_benchmark_script_runs(tmp_path):
-    """benchmarks/bench_app.py (the README's app speed figures) still drives the page: a smoke run."""
+    """benchmarks/bench_app.py (the app speed figures of docs/app.md) still drives the page: a smoke run."""
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_app.py"), "--smoke", "--big", "0",
                           "--strokes", "1", "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -57,7 +57,7 @@ def test_gradients_pass_gradcheck(backend):
 
 
 def test_slope_gradient_is_sum_of_score_gradient_times_bias():
-    # README.md "Method" §2: dL/dm_h = Σ_ij dL/ds_ij · B_ij, checked against autograd through explicit scores.
+    # docs/method.md §2: dL/dm_h = Σ_ij dL/ds_ij · B_ij, checked against autograd through explicit scores.
     q, k, v = make_qkv(grid=(3, 3), prefix=1)
     bias = alibi_bias((3, 3), 1, dtype=torch.float64)
     slopes = torch.tensor([0.5, 1.0, 1.5], dtype=torch.float64, requires_grad=True)

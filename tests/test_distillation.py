@@ -134,7 +134,7 @@ def test_bad_configuration_errors(tmp_path):
 
 
 def test_blank_channels_default_belongs_to_the_published_dinov2_s(tmp_path, monkeypatch):
-    # README "Method" §4: DINOv2-S/14-reg4's four most positional channels.
+    # docs/method.md §4: DINOv2-S/14-reg4's four most positional channels.
     assert KNOWN_BLANK_CHANNELS[TEACHER] == {"channels": (47, 113, 117, 359), "embed_dim": 384, "depth": 12}
     with pytest.raises(ValueError, match=r"width 384 and depth 12; this teacher has width 48 and depth 2.*"
                                          r"alibi-vit channels --model"):

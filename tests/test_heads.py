@@ -2,7 +2,7 @@
 surgical re-initialisation of sink heads during distillation.
 
 References are computed here independently, in float64, with Python loops over tokens and the
-distance written out from README.md "Method" §2.
+distance written out from docs/method.md §2.
 """
 
 from __future__ import annotations

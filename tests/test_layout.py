@@ -174,8 +174,10 @@ def _resolve_dotted(name: str):
     return obj
 
 
-def test_every_name_the_readme_shows_imports():
-    names = sorted(set(re.findall(r"\balibi_vit(?:\.[A-Za-z_]\w*)+", (ROOT / "README.md").read_text())))
+def test_every_name_the_readme_and_docs_show_imports():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    text = "\n".join(page.read_text() for page in pages)
+    names = sorted(set(re.findall(r"\balibi_vit(?:\.[A-Za-z_]\w*)+", text)))
     assert "alibi_vit.create_backbone" in names and "alibi_vit.patch_features" in names
     broken = []
     for name in names:

@@ -1,4 +1,4 @@
-"""OverClustering mIoU (README.md "Method" §9) on features and clusters whose answer is known."""
+"""OverClustering mIoU (docs/method.md §9) on features and clusters whose answer is known."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""RASA plane removal and folding (README.md "Method" §8)."""
+"""RASA plane removal and folding (docs/method.md §8)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""RASA rounds in one Lightning fit (README.md "Method" §8), on a tiny backbone with a strong position code."""
+"""RASA rounds in one Lightning fit (docs/method.md §8), on a tiny backbone with a strong position code."""
 
 from pathlib import Path
 

@@ -130,7 +130,7 @@ def test_constant_slopes_with_head_pairs_match_reference(grid, prefix, wrap, nor
 
 
 def test_bias_follows_spec_formula():
-    """Attention weights recovered from the kernel give back -m·d̂ of README.md "Method" §2, written out here.
+    """Attention weights recovered from the kernel give back -m·d̂ of docs/method.md §2, written out here.
 
     With q = k = 0 the logits are m·B, and with v the identity the output rows are the softmax
     weights; log-ratios against a prefix key (bias 0) are m·B_ij.
@@ -157,7 +157,7 @@ def test_bias_follows_spec_formula():
 
 
 def test_wrapped_bias_is_equivariant_to_rolling_patches():
-    """README.md "Method" §2: with wrap the bias is circulant, so rolling the patch grid rolls the output."""
+    """docs/method.md §2: with wrap the bias is circulant, so rolling the patch grid rolls the output."""
     h, w, prefix, shift = 4, 5, 2, (1, 3)
     q, k, v, _, slopes = _inputs(1, 3, (h, w), prefix, 16, torch.float32, seed=23)
 

@@ -1,4 +1,4 @@
-"""Ranking a backbone's channels by how much position they carry (README.md "Method" §4–§5).
+"""Ranking a backbone's channels by how much position they carry (docs/method.md §4–§5).
 
 The per-channel positional R² comes from :func:`alibi_vit.analysis.probe.per_channel_r2`. As the
 authors' notebook does, channels are ranked once per position ramp (x, y, diagonal, radial) and

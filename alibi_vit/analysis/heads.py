@@ -1,7 +1,7 @@
 """Attention-head diagnostics: where each head of each layer looks (sinks, self-attention, reach).
 
 For every layer and head, over the *patch* queries of a set of images (CLS and register queries
-are left out; the prefix tokens are CLS + registers, README.md "Method" §1):
+are left out; the prefix tokens are CLS + registers, docs/method.md §1):
 
 - ``prefix_mass``: mean attention probability on the prefix tokens. A head near 1 is a *sink*:
   it parks its attention on CLS/registers, which the ALiBi bias never penalises.
@@ -177,7 +177,7 @@ class _LayerObserver:
             rows = torch.arange(start, min(start + chunk, h * w), device=q.device)
             logits = q[:, :, p + rows] @ k.transpose(-2, -1)
             if biased:
-                # The layer's B = −d/d_max on patch keys, 0 on prefix keys (README.md "Method" §2).
+                # The layer's B = −d/d_max on patch keys, 0 on prefix keys (docs/method.md §2).
                 d = distance_rows(grid, rows, wrap=module.wrap, metric=module.metric, dtype=dtype)
                 logits[..., p:] -= slopes * (d * norm)
             stats = attention_statistics(logits.softmax(-1), rows, grid, p, wrap=wrap, metric=metric)

@@ -1,4 +1,4 @@
-"""OverClustering: k-means on frozen patch features, clusters mapped to classes (README.md "Method" §9).
+"""OverClustering: k-means on frozen patch features, clusters mapped to classes (docs/method.md §9).
 
 The recipe is Leopart's and the RASA reference's:
 
@@ -165,7 +165,7 @@ def kmeans_clusters(points, k: int, seed: int = 0) -> np.ndarray:
 
 def cluster_features(features, k: int, seed: int = 0, pca_dim: int = PCA_DIM) -> np.ndarray:
     """k-means cluster ids (M,) int64 of flat features (M, C): :func:`reduce_features` then
-    :func:`kmeans_clusters` (the README's fixed recipe)."""
+    :func:`kmeans_clusters` (the fixed recipe of docs/method.md §9)."""
     return kmeans_clusters(reduce_features(features, pca_dim), k, seed=seed)
 
 
@@ -322,7 +322,7 @@ def overclustering(features, labels, k: int, num_classes: int, seed: int = 0, ig
 
 def overclustering_miou(features, labels, k: int, num_classes: int, seed: int = 0,
                         ignore_index: int = IGNORE_INDEX, absent: str = "zero") -> float:
-    """OverClustering mIoU (README.md "Method" §9) of one k-means seed; inputs as :func:`overclustering_seeds`."""
+    """OverClustering mIoU (docs/method.md §9) of one k-means seed; inputs as :func:`overclustering_seeds`."""
     return overclustering(features, labels, k, num_classes, seed=seed, ignore_index=ignore_index, absent=absent).miou
 
 

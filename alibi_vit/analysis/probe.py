@@ -1,4 +1,4 @@
-"""The positional-bias linear probe (README.md "Method" §5): how well do patch features predict *where* a patch is?
+"""The positional-bias linear probe (docs/method.md §5): how well do patch features predict *where* a patch is?
 
 For an image's (C, h, w) feature grid, a ridge regression on standardised features is fitted
 at a random ``fraction`` of the patches to a position target and scored (R²) on the patches it

@@ -1,4 +1,4 @@
-"""RASA: removing the planes in which linear heads find patch position (README.md "Method" §8).
+"""RASA: removing the planes in which linear heads find patch position (docs/method.md §8).
 
 A RASA round fits a bias-free linear head W (2×C) + sigmoid to predict each patch's (row, col)
 from the frozen encoder's final-normed patch tokens. The two rows of W span a plane; it is
@@ -98,7 +98,7 @@ def projection_matrix(planes: Sequence[torch.Tensor], width: int | None = None) 
 
 
 def remove_planes(features: torch.Tensor, planes: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Features with each plane removed in turn (README.md "Method" §8), same shape and dtype.
+    """Features with each plane removed in turn (docs/method.md §8), same shape and dtype.
 
     Args:
         features: (B, C, h, w) maps or (B, N, C) tokens (channels last).

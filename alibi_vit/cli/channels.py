@@ -1,11 +1,11 @@
 """``alibi-vit channels``: a teacher's most positional channels, ranked by per-channel positional R².
 
 For each model, the patch features of the images (the final map, or block ``--layer``) are
-probed one channel at a time (README.md "Method" §5: held-out R² of a fit of the position
+probed one channel at a time (docs/method.md §5: held-out R² of a fit of the position
 target from that channel alone — standardised, ridge α = 1 as the authors' notebook, or
 ``--fit lstsq`` — averaged over samplings and images). By default (``--target ramps``) the
 channels are ranked once per ramp (x, y, diag, radial) and the list to pass as a distillation
-teacher's ``blank_channels`` (README.md "Method" §4) is the union of each ramp's top ``--top``
+teacher's ``blank_channels`` (docs/method.md §4) is the union of each ramp's top ``--top``
 (2), as the authors' notebook does; ``--target xy`` (or any one target) ranks once and blanks its
 top ``--top``. Every channel's rank per target goes to ``--out`` (CSV). The authors' stored output
 for DINOv2-S/14-reg4: x 117 359 …, y 359 117 …, diag 117 345 …, radial 47 113 …, hence

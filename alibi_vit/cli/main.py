@@ -74,15 +74,21 @@ def format_error(err: BaseException) -> str:
     return "\n".join(lines)
 
 
+def subcommand_parser(command: str):
+    """The module of subcommand ``command`` and its argument parser (also what the docs' option pages show)."""
+    module = importlib.import_module(f"{__package__}.{command}")
+    parser = argparse.ArgumentParser(prog=f"alibi-vit {command}", description=SUBCOMMANDS[command])
+    module.add_arguments(parser)
+    return module, parser
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     # Parse the subcommand first, then let its module add its own options.
     known, _ = parser.parse_known_args(argv[:1] if argv else argv)
     prog = f"alibi-vit {known.command}"
-    module = importlib.import_module(f"{__package__}.{known.command}")
-    sub = argparse.ArgumentParser(prog=prog, description=SUBCOMMANDS[known.command])
-    module.add_arguments(sub)
+    module, sub = subcommand_parser(known.command)
     args = sub.parse_args(argv[1:])
 
     def show_warning(message, category, filename, lineno, file=None, line=None):

@@ -1,4 +1,4 @@
-"""``alibi-vit overcluster``: OverClustering mIoU of frozen backbones on Pascal VOC (README.md "Method" §9).
+"""``alibi-vit overcluster``: OverClustering mIoU of frozen backbones on Pascal VOC (docs/method.md §9).
 
 For each backbone, every image of the VOC split (``val`` by default: 1,449 images for VOC12) is
 resized to ``--size`` px (stretched, as the segmentation probe does) and its final-normed patch
@@ -19,7 +19,7 @@ initialised: that checks the pipeline, nothing more.
 Comparison: ``--backbone LABEL=NAME`` names a row (so one model can appear with and without
 RASA: ``dinov2=vit_small_patch14_reg4_dinov2 dinov2+rasa=vit_small_patch14_reg4_dinov2
 --checkpoint dinov2+rasa=runs/rasa/rasa/rasa_backbone.safetensors``); ``--r2-images textures
-noise`` adds the positional probe's (x, y) R² (README.md "Method" §5) on those image sets;
+noise`` adds the positional probe's (x, y) R² (docs/method.md §5) on those image sets;
 ``--probe-checkpoint LABEL=CKPT`` adds a trained segmentation probe's mIoU on the same VOC
 images. All of it goes into one Markdown table next to the CSV (``<out>.md``).
 """
@@ -173,7 +173,7 @@ def voc_patch_features(model, datamodule, max_images: int | None = None, mask_si
 
 
 def positional_r2_of(model, image_set: str, size: int, batch_size: int = 8) -> float:
-    """The positional probe's (x, y) R² of ``model`` on an image set (README.md "Method" §5, default options:
+    """The positional probe's (x, y) R² of ``model`` on an image set (docs/method.md §5, default options:
     2.5 % of the patches fitted, at least 32)."""
     import warnings
 

@@ -12,7 +12,7 @@ as a layers × channels heatmap per model (paper Fig. 3 uses ``--fingerprint-tar
 ``--paper-table`` runs the models of the paper's Tab. 1–2 instead of ``--model`` (DINOv2-S,
 DINOv2-S blanked, DINOv2-B, DINOv3-S+, NoPE, ALiBi-Dv2, ALiBi-Dv3, transform-averaged, sin-cos;
 :data:`PAPER_ROWS`) and prints each one's (x, y) R² beside the paper's on micrographs, textures
-and uniform noise (README.md "Method" §5). Each model loads its own pretrained weights (timm's
+and uniform noise (docs/method.md §5). Each model loads its own pretrained weights (timm's
 hub or cache, or ``--checkpoint NAME=PATH`` with the row's model name); a model whose weights
 cannot be had, or that cannot be built, is listed as skipped with the reason.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from ..analysis.probe import MIN_TRAIN, TARGETS, fitted_patches
 
 # The paper's Tab. 1–2 rows this project can build: (row, model name[.tag], paper (x, y) R² on
-# micrographs / textures / uniform noise, or None where README.md "Method" §5 gives none).
+# micrographs / textures / uniform noise, or None where docs/method.md §5 gives none).
 PAPER_ROWS = (
     ("DINOv2-S", "vit_small_patch14_reg4_dinov2", (0.83, 0.71, 0.89)),
     ("DINOv2-S blanked", "blanked_vit_small_patch14_reg4_dinov2", (0.78, 0.67, 0.89)),  # blanks PAPER_BLANKED

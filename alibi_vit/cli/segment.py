@@ -1,4 +1,4 @@
-"""``alibi-vit segment``: trainable segmentation of micrographs (README.md "Method" §7).
+"""``alibi-vit segment``: trainable segmentation of micrographs (docs/method.md §7).
 
     alibi-vit segment train --images DIR_OR_FILES --labels DIR_OR_FILES \
         [--backbone NAME --checkpoint PATH] --out MODEL_DIR

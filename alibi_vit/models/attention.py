@@ -146,7 +146,7 @@ class PositionBias:
 
 
 class AlibiAttention(PositionBias, Attention):
-    """timm ``Attention`` whose logits get ``m_h · B`` (README.md "Method" §2), or no position at all (NoPE)."""
+    """timm ``Attention`` whose logits get ``m_h · B`` (docs/method.md §2), or no position at all (NoPE)."""
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
         grid = self._check_call(attn_mask, is_causal)

@@ -1,4 +1,4 @@
-"""The paper's baselines as backbones (README.md "Method" §10): blanked channels, transform
+"""The paper's baselines as backbones (docs/method.md §10): blanked channels, transform
 averaging and a sin-cos position embedding.
 
 :func:`blank_channels` and :func:`transform_average` change a timm ViT (DINOv2, DINOv3, ALiBi…)
@@ -32,7 +32,7 @@ from .names import BASELINE_NAMES
 __all__ = ["BASELINE_NAMES", "DIHEDRAL", "DINOV2_S_POSITIONAL_CHANNELS", "FLIPS", "blank_channels",
            "create_baseline", "sincos_position_embedding", "transform_average"]
 
-# DINOv2-S/14-reg4's most positional channels (README.md "Method" §4).
+# DINOv2-S/14-reg4's most positional channels (docs/method.md §4).
 DINOV2_S_POSITIONAL_CHANNELS = (47, 113, 117, 359)
 
 Transform = tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]

@@ -173,7 +173,7 @@ def check_model_name(name: str) -> None:
     hint = (f"did you mean {', '.join(close)}?" if close else
             "this project's are alibi_vit_*/nope_vit_* of DINOv2 (patch14_reg4_dinov2) and DINOv3 "
             "(patch16_dinov3), and the baselines blanked_/tavg_/sincos_vit_small_patch14_reg4_dinov2, each with "
-            "weight tags (README: model names and tags); timm.list_models('*dinov*') lists timm's")
+            "weight tags (docs/models.md: model names and tags); timm.list_models('*dinov*') lists timm's")
     raise ValueError(f"unknown model {name!r}; {hint}")
 
 

@@ -1,11 +1,11 @@
 """ALiBi and NoPE DINOv3: timm's DINOv3 ViTs (``vit_*_patch16_dinov3``, an ``Eva``) with RoPE off.
 
-``alibi_vit_{small,small_plus,base,large,huge_plus}_patch16_dinov3`` add the 2D bias of README.md "Method"
+``alibi_vit_{small,small_plus,base,large,huge_plus}_patch16_dinov3`` add the 2D bias of docs/method.md
 §2 in every attention layer (the same :class:`~alibi_vit.models.attention.PositionBias` path as the
 DINOv2 models, every backend); ``nope_vit_*_patch16_dinov3`` have no position at all. The prefix
 is CLS + 4 storage tokens (5 tokens), the patch size 16, and any image size that is a multiple
 of 16 works. With wrap on, the model is exactly equivariant to rolling the image by whole
-patches (README.md "Method" §2).
+patches (docs/method.md §2).
 
 Weights (``pretrained=True``):
 

@@ -19,7 +19,7 @@ MODEL_NAMES = DINOV2_NAMES + DINOV3_NAMES
 BASELINE_NAMES = ("blanked_vit_small_patch14_reg4_dinov2", "tavg_vit_small_patch14_reg4_dinov2",
                   "sincos_vit_small_patch14_reg4_dinov2")
 
-# The paper's released checkpoints (README.md "Method" §10), files of the hub repo RELEASE_HUB_ID.
+# The paper's released checkpoints (docs/method.md §10), files of the hub repo RELEASE_HUB_ID.
 RELEASE_HUB_ID = "rmdocherty/dino-saw"
 RELEASES = {
     "alibi_vit_small_patch14_reg4_dinov2.dinosaw_coco": "alibi_coco_dv2_vits14_reg4.pth",

@@ -4,7 +4,7 @@
 DINOv2 architecture, loads DINOv2's weights through timm's own mechanism (the hub, or a local
 file via ``pretrained_cfg_overlay=dict(file=...)``), then converts it: the starting point of
 distillation (tag ``.lvd142m``, the default; ``.lvd1689m`` for the DINOv3 models). The paper's
-released, distilled models are tags (README.md "Method" §10), fetched from the hub repo
+released, distilled models are tags (docs/method.md §10), fetched from the hub repo
 ``rmdocherty/dino-saw``:
 
 - ``alibi_vit_small_patch14_reg4_dinov2.dinosaw_coco``: ALiBi-Dv2 distilled on COCO;

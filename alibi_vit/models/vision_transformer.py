@@ -6,7 +6,7 @@ through the attention bias, which is defined for any grid. The patch embedding t
 accepts any image size that is a multiple of the patch size, with no interpolation step.
 
 Loading a state_dict into a converted model (``load_state_dict``, timm's ``checkpoint_path``,
-released checkpoints) follows the release rules of README.md "Method" §10: a missing
+released checkpoints) follows the release rules of docs/method.md §10: a missing
 ``pos_embed`` is filled with zeros, a zero one of another grid size is replaced by zeros of
 this model's shape, and a non-zero (learned) one is an error, since the model would silently
 ignore it. A checkpoint of a DINOv3 model is refused with an error naming both architectures.
@@ -109,7 +109,7 @@ def convert_to_alibi(model: VisionTransformer, *, slopes: str = "constant", wrap
     result is an :class:`alibi_vit.models.dinov3.AlibiEva`.
 
     In place (the same object is returned): ``pos_embed`` is zeroed, frozen and no longer
-    added; every attention layer adds ``m_h · B`` with ``B`` the 2D bias of README.md "Method" §2.
+    added; every attention layer adds ``m_h · B`` with ``B`` the 2D bias of docs/method.md §2.
 
     Args:
         slopes: ``"constant"`` (m_h = 1, the paper's choice), ``"learned"`` (a trainable

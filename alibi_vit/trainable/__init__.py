@@ -1,4 +1,4 @@
-"""Trainable (Weka/ilastik-style) segmentation of micrographs on classical ⊕ ViT features (README.md "Method" §7).
+"""Trainable (Weka/ilastik-style) segmentation of micrographs on classical ⊕ ViT features (docs/method.md §7).
 
 - :func:`classical_features`: the Weka filter set per pixel.
 - :class:`ViTFeatures`: backbone patch features, standardised, PCA-reduced, upsampled to pixels.

@@ -1,4 +1,4 @@
-"""The scribble benchmark (README.md "Method" §7; paper S8.3, Fig. S16).
+"""The scribble benchmark (docs/method.md §7; paper S8.3, Fig. S16).
 
 Training images with ground truth get scribbles generated from that ground truth in rounds (one
 scribble per class per training image per round, accumulating); after each round a segmenter is

@@ -1,4 +1,4 @@
-"""Classical per-pixel features: filter banks in the Weka "trainable segmentation" tradition (README.md "Method" §7).
+"""Classical per-pixel features: filter banks in the Weka "trainable segmentation" tradition (docs/method.md §7).
 
 A filter set (:data:`FILTER_SETS`) names which features are computed. For each σ in ``sigmas``
 (0 = the image itself) the image is blurred with a Gaussian of σ·``sigma_scale`` px, and from
@@ -14,7 +14,7 @@ line through its centre, rotated in equal steps over 180°; statistics over the 
   reach), per σ the blur, gradient and two Hessian eigenvalues (modulus, trace and determinant
   are functions of those) and the 5 differences of neighbouring blurs: 29 features, no membrane
   projections (they took most of the time and added no accuracy on the labelled micrograph
-  set's training split; README §7 gives the comparison).
+  set's training split; docs/segmentation.md gives the comparison).
 
 The filters run in OpenCV (separable kernels, SIMD, its own threads) with the kernels scipy would
 use: the results equal ``scipy.ndimage`` to float32 rounding. Border handling everywhere is mirror

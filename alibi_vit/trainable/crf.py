@@ -1,4 +1,4 @@
-"""Dense-CRF clean-up of class probabilities (Krähenbühl & Koltun 2011), README.md "Method" §7.
+"""Dense-CRF clean-up of class probabilities (Krähenbühl & Koltun 2011), docs/method.md §7.
 
 Three presets, named for where their values come from:
 

@@ -1,4 +1,4 @@
-"""Human-like scribbles generated from a ground-truth mask, for the scribble benchmark (README.md "Method" §7).
+"""Human-like scribbles generated from a ground-truth mask, for the scribble benchmark (docs/method.md §7).
 
 A scribble is a smooth random stroke inside one region of a class, kept away from the region's
 border; every pixel it labels has its true class, so the benchmark measures the features and the

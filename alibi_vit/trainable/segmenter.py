@@ -1,6 +1,6 @@
 """``TrainableSegmenter``: Weka/ilastik-style pixel classification on classical ⊕ ViT features.
 
-The method: README.md "Method" §7.
+The method: docs/method.md §7.
 
 Images go in as arrays ((H, W) of any integer or float dtype, or RGB) and are scaled to [0, 1] by
 ``intensity`` (by default black and white points fitted once on the training images and stored
@@ -36,14 +36,14 @@ READABLE_FORMATS = (1, 2)
 # the others scale each image by itself (alibi_vit.images).
 INTENSITY = ("training",) + INTENSITY_MODES
 COLOUR = ("channels", "grey")
-# crf=True means this preset, the one chosen on the labelled micrograph set (README §7); it was "paper"
+# crf=True means this preset, the one chosen on the labelled micrograph set (docs/segmentation.md); it was "paper"
 # before, and models saved with a preset name keep theirs.
 DEFAULT_CRF_PRESET = "gentle"
 DEFAULT_CRF = False  # the CRF setting of a segmenter made without one
 CRF_OVERLAP = 128  # px of context on each side of a CRF tile
 CHANNEL_NAMES = ("r", "g", "b")
 PATCH_ALIGN = 14  # tiles start on multiples of the patch size so ViT grids line up
-DEFAULT_FILTERS = "compact"  # chosen on the labelled micrograph set's training split (README §7)
+DEFAULT_FILTERS = "compact"  # chosen on the labelled micrograph set's training split (docs/segmentation.md)
 
 
 def _round_up(n: int, m: int) -> int:

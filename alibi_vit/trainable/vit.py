@@ -1,4 +1,4 @@
-"""ViT features for trainable segmentation: patch features → standardised → PCA → pixels (README.md "Method" §7).
+"""ViT features for trainable segmentation: patch features → standardised → PCA → pixels (docs/method.md §7).
 
 Any image size works. An image up to ``tile`` px a side goes through the backbone whole, padded by
 mirror reflection to the next multiple of the patch size (reflection rather than zeros, so the
