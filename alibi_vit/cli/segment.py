@@ -57,7 +57,7 @@ def _add_common(p, several: bool = False):
     listed = (lambda v: [v]) if several else (lambda v: v)  # noqa: E731
     either = " (several: each is a configuration of --dataset)" if several else ""
     p.add_argument("--classifier", choices=CLASSIFIERS, default=listed(DEFAULT_CLASSIFIER), **many,
-                   help=f"pixel classifier (default {DEFAULT_CLASSIFIER}; README §7 gives the benchmark behind it){either}")
+                   help=f"pixel classifier (default {DEFAULT_CLASSIFIER}; docs/segmentation.md gives the benchmark behind it){either}")
     p.add_argument("--filters", choices=tuple(FILTER_SETS), default=listed(DEFAULT_FILTERS), **many,
                    help=f"classical filter set: compact (default, 29 features) or weka (the paper's 63){either}")
     p.add_argument("--intensity", choices=("training", "auto", "percentile", "minmax", "dtype"),

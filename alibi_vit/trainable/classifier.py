@@ -5,7 +5,7 @@ bootstrap rows and random feature subsets per split, averaged), so both options 
 XGBoost's JSON model format and load without pickle.
 
 Why a forest by default: on the labelled micrograph set's training split (sparse strokes, three
-seeds; README §7) the forest scored as well as or better than boosting and varied less from seed
+seeds; docs/segmentation.md) the forest scored as well as or better than boosting and varied less from seed
 to seed: strokes drawn inside regions are separated by one or two thresholds, so every boosted
 tree fits the same few thresholds and the ensemble follows the strokes' chance placement, where
 averaging trees on random row and feature subsets does not. 25 trees on 30% of the rows each
@@ -45,7 +45,7 @@ def make_classifier(kind: str = DEFAULT_CLASSIFIER, seed: int = 0, n_jobs: int |
 
 
 # Fits on fewer rows run on one thread: on a busy machine, OpenMP threads waiting on each other made
-# fits of a few thousand rows 10-100x slower than one thread (README §7).
+# fits of a few thousand rows 10-100x slower than one thread (docs/segmentation.md).
 SINGLE_THREAD_ROWS = 50_000
 
 

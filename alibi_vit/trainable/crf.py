@@ -2,7 +2,7 @@
 
 Three presets, named for where their values come from:
 
-- ``"gentle"``: chosen on the labelled micrograph set's training split (README §7): a weak
+- ``"gentle"``: chosen on the labelled micrograph set's training split (docs/segmentation.md): a weak
   smoothness term (sxy 1, compat 3), a bilateral term of sxy 20 that only joins pixels of nearly
   the same grey (srgb 5) with compat 5, and 5 mean-field iterations. Of the settings tried it
   raised sparse-stroke mIoU most while, with dense labels, losing no image more than 0.01 mIoU
