@@ -1,6 +1,8 @@
 """The runs behind the trainable segmentation's defaults, on the labelled micrograph set.
 
     python benchmarks/bench_trainable_micrographs.py --part train   # the choice: training split only
+    alibi-vit segment benchmark --dataset all --split train --classifier random_forest xgboost \
+        --filters compact weka --crf off gentle paper library --protocol sparse   # the same grid, sparse only
     python benchmarks/bench_trainable_micrographs.py --part test    # the report: test split only
     python benchmarks/bench_trainable_micrographs.py --smoke        # 64-px crops: checks the script
 
@@ -44,6 +46,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--part", choices=("train", "test"), default="test")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--protocol", nargs="+", default=None,
+                   help="only these protocols (default: sparse and dense for train, and authors for test); the "
+                        "results folder is then named after them")
     p.add_argument("--out-dir", type=Path, default=None)
     p.add_argument("--smoke", action="store_true", help="64-px crops of two images, one seed")
     args = p.parse_args(argv)
@@ -52,14 +57,15 @@ def main(argv=None) -> int:
     from alibi_vit.trainable.micrograph_benchmark import micrograph_benchmark, write_tables
 
     items = load_micrographs("all", split=args.part)
-    protocols = ("sparse", "dense") if args.part == "train" else ("sparse", "dense", "authors")
+    protocols = args.protocol or (("sparse", "dense") if args.part == "train" else ("sparse", "dense", "authors"))
     if args.smoke:
         items, args.seeds = [item.cropped(64) for item in items[:2]], [0]
     load, t0, rows = os.getloadavg()[0], time.perf_counter(), []
     for _, features, classifiers, crfs in grids(args.part):
         rows += micrograph_benchmark(items, features, classifiers, crfs, protocols=protocols, seeds=args.seeds,
                                      dense_seeds=args.seeds[:1], progress=True)
-    out = args.out_dir or RESULTS / ("smoke" if args.smoke else "") / f"trainable_micrographs_{args.part}"
+    name = f"trainable_micrographs_{args.part}" + ("_" + "_".join(args.protocol) if args.protocol else "")
+    out = args.out_dir or RESULTS / ("smoke" if args.smoke else "") / name
     header = [f"# Trainable segmentation on the labelled micrographs: {args.part} split", "",
               f"Command: `python benchmarks/bench_trainable_micrographs.py {' '.join(argv)}`", "",
               f"{len(items)} image(s), protocols {', '.join(protocols)}; sparse seeds {' '.join(map(str, args.seeds))}, "
