@@ -115,7 +115,8 @@ def test_benchmark_grid_shares_labels_and_crf_refines_the_same_fit():
                   classifiers={"rf": ("random_forest", {"n_estimators": 10})},
                   crfs={"off": False, "paper": ("paper", {})}, protocols=("sparse",), seeds=(0, 1))
     rows = micrograph_benchmark(items, **kwargs)
-    assert len(rows) == 4 and {r["configuration"] for r in rows} == {"compact | rf | crf off", "compact | rf | crf paper"}
+    assert len(rows) == 4
+    assert {r["configuration"] for r in rows} == {"compact | rf | crf off", "compact | rf | crf paper"}
     for r in rows:
         assert 0 <= r["miou"] <= 1 and 0 <= r["pixel_accuracy"] <= 1 and r["labelled_pixels"] > 0
     # Per seed the CRF variants saw the same labels.

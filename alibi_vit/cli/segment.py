@@ -57,7 +57,8 @@ def _add_common(p, several: bool = False):
     listed = (lambda v: [v]) if several else (lambda v: v)  # noqa: E731
     either = " (several: each is a configuration of --dataset)" if several else ""
     p.add_argument("--classifier", choices=CLASSIFIERS, default=listed(DEFAULT_CLASSIFIER), **many,
-                   help=f"pixel classifier (default {DEFAULT_CLASSIFIER}; docs/segmentation.md gives the benchmark behind it){either}")
+                   help=f"pixel classifier (default {DEFAULT_CLASSIFIER}; docs/segmentation.md gives the benchmark "
+                        f"behind it){either}")
     p.add_argument("--filters", choices=tuple(FILTER_SETS), default=listed(DEFAULT_FILTERS), **many,
                    help=f"classical filter set: compact (default, 29 features) or weka (the paper's 63){either}")
     p.add_argument("--intensity", choices=("training", "auto", "percentile", "minmax", "dtype"),
@@ -437,7 +438,8 @@ def _dataset_benchmark(args) -> int:
     _check_out_folder(args.out)
     items = load_micrographs(args.dataset, None if args.split == "all" else args.split, args.images)
     if not items:
-        raise ValueError(f"dataset {args.dataset!r} has no {args.split} image" + (" among --images" if args.images else ""))
+        among = " among --images" if args.images else ""
+        raise ValueError(f"dataset {args.dataset!r} has no {args.split} image{among}")
     if args.crop:
         items = [item.cropped(args.crop) for item in items]
     backbones = {"classical": None}

@@ -183,7 +183,8 @@ class TrainableSegmenter:
         entries are keyed by the scaled pixels, so results are exactly those without it. Runtime only.
     """
 
-    def __init__(self, backbone=None, classifier: str = DEFAULT_CLASSIFIER, crf: bool | str = DEFAULT_CRF, *, checkpoint=None,
+    def __init__(self, backbone=None, classifier: str = DEFAULT_CLASSIFIER, crf: bool | str = DEFAULT_CRF, *,
+                 checkpoint=None,
                  pretrained: bool = False, model_kwargs: dict | None = None, classifier_params: dict | None = None,
                  crf_params: dict | None = None, filters: str = DEFAULT_FILTERS, sigmas=None, sigma_scale=None,
                  n_components: int = 9, vit_tile: int = 518, vit_overlap: int = 56, intensity: str = "training",
