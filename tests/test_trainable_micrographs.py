@@ -177,3 +177,17 @@ def test_models_saved_before_the_new_defaults_load_and_segment_the_same(tmp_path
     assert (loaded.filters, loaded.classifier_kind, loaded.crf) == ("weka", "xgboost", "paper")
     assert loaded.feature_names == config["feature_names"]
     np.testing.assert_array_equal(loaded.predict([image])[0], expected)
+
+
+@pytest.mark.slow
+def test_peer_side_by_side_smoke_writes_both_parts(tmp_path):
+    peers = benchmark_module("bench_trainable_peers")
+    assert peers.main(["--smoke", "--out-dir", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "trainable_peers-smoke.json").read_text())
+    times = report["speed"]["times"]
+    assert {k.split("/")[0] for k in times} == {"grey", "colour"}
+    assert all(math.isfinite(t["total_s"]) and t["total_s"] > 0 for t in times.values())
+    systems = {r["configuration"] for r in report["accuracy"]}
+    assert systems == {peers.AlibiVit().name, peers.ScikitImage.name}
+    assert all(math.isfinite(r["miou_mean"]) for r in report["accuracy"])
+    assert (tmp_path / "trainable_peers-smoke_accuracy" / "runs.csv").is_file()
