@@ -191,3 +191,19 @@ def test_peer_side_by_side_smoke_writes_both_parts(tmp_path):
     assert systems == {peers.AlibiVit().name, peers.ScikitImage.name}
     assert all(math.isfinite(r["miou_mean"]) for r in report["accuracy"])
     assert (tmp_path / "trainable_peers-smoke_accuracy" / "runs.csv").is_file()
+
+
+def test_cli_train_takes_the_filter_set_and_classifier(tmp_path):
+    from PIL import Image
+
+    from alibi_vit.trainable import scribbles, synthetic_micrograph
+
+    image, mask = synthetic_micrograph(48, seed=0)
+    Image.fromarray((image >> 4).astype(np.uint8)).save(tmp_path / "a.png")
+    Image.fromarray(scribbles(mask, 2, rng=0).astype(np.uint8)).save(tmp_path / "a_labels.png")
+    for filters, classifier, n in (("weka", "xgboost", 63), ("compact", "random_forest", 29)):
+        out = tmp_path / filters
+        assert run(["train", "--images", str(tmp_path / "a.png"), "--labels", str(tmp_path / "a_labels.png"),
+                    "--filters", filters, "--classifier", classifier, "--trees", "3", "--out", str(out)]) == 0
+        config = json.loads((out / "config.json").read_text())
+        assert (config["filters"], config["classifier"], len(config["feature_names"])) == (filters, classifier, n)

@@ -250,6 +250,7 @@ def _train(args) -> int:
     seg = TrainableSegmenter(args.backbone, args.classifier, args.crf or False, n_components=args.components,
                              classifier_params=_classifier_params(args),
                              intensity=args.intensity, device=args.device, seed=args.seed, progress=True,
+                             filters=args.filters,
                              colour=args.colour, feature_fn=args.features, modal=args.modal, **backbone_kwargs)
     seg.fit(images, labels)
     seg.save(args.out)
