@@ -5,12 +5,11 @@ bootstrap rows and random feature subsets per split, averaged), so both options 
 XGBoost's JSON model format and load without pickle.
 
 Why a forest by default: on the labelled micrograph set's training split (sparse strokes, three
-seeds; docs/segmentation.md) the forest scored as well as or better than boosting and varied less from seed
-to seed: strokes drawn inside regions are separated by one or two thresholds, so every boosted
-tree fits the same few thresholds and the ensemble follows the strokes' chance placement, where
-averaging trees on random row and feature subsets does not. 25 trees on 30% of the rows each
-scored as 50 or 100 trees did (within 0.001 mIoU) at a quarter of the prediction time of 100, and
-prediction (every tree on every pixel) is most of a first segmentation.
+seeds; docs/segmentation.md) the forest beat boosting with either filter set and varied less from
+seed to seed. Strokes drawn inside regions are separated by one or two thresholds, so every
+boosted tree fits the same few thresholds and the ensemble follows the strokes' chance placement;
+trees on random row and feature subsets average that out. 25 trees on 30% of the rows scored as
+well as 50 or 100, and prediction (every tree on every pixel) is most of a first segmentation.
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ __all__ = ["CLASSIFIERS", "DEFAULT_CLASSIFIER", "balanced_weights", "fit_classif
 
 CLASSIFIERS = ("xgboost", "random_forest")
 DEFAULT_CLASSIFIER = "random_forest"
-# XGBoost's defaults are those of earlier versions (30 rounds: fit on 100k pixels in seconds); with dense
-# labels it is as good as the forest or better. Override any value with ``classifier_params``.
+# XGBoost's defaults are those of earlier versions (30 rounds: fit on 100k pixels in seconds). Override any
+# value with ``classifier_params``.
 DEFAULTS = {
     "xgboost": dict(n_estimators=30, max_depth=6, learning_rate=0.5, tree_method="hist", max_bin=128),
     "random_forest": dict(n_estimators=25, max_depth=12, subsample=0.3, colsample_bynode=0.3,
@@ -45,7 +44,7 @@ def make_classifier(kind: str = DEFAULT_CLASSIFIER, seed: int = 0, n_jobs: int |
 
 
 # Fits on fewer rows run on one thread: on a busy machine, OpenMP threads waiting on each other made
-# fits of a few thousand rows 10-100x slower than one thread (docs/segmentation.md).
+# fits of a few thousand rows 10-100x slower than one thread.
 SINGLE_THREAD_ROWS = 50_000
 
 
