@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from .options import checkpoints_by_model, parse_model_args
+from ..files import check_folder_path
+from .options import add_figure_arguments, at_least, checkpoints_by_model, parse_model_args
 
 ACTIONS = {
     "train": "train a pixel classifier from images and sparse label images",
@@ -29,6 +31,7 @@ ACTIONS = {
                  "accuracy, spread over seeds); otherwise test mIoU per round of generated scribbles",
 }
 LABEL_SUFFIXES = ("", "_labels", "_label", "_mask", "_masks", "_gt", "-labels", "-mask")
+MIN_SYNTHETIC_SIZE = 64  # px: below it, the benchmark's generated images are warned about
 
 
 def _add_backbone_arguments(p, several: bool):
@@ -67,10 +70,11 @@ def _add_common(p, several: bool = False):
                         "the training images' pooled pixels, stored with the model, applied unchanged to every "
                         "image); or each image by itself: auto (0.5–99.5th percentiles for grayscale, dtype for "
                         "colour), percentile, minmax, dtype" + either)
-    p.add_argument("--components", type=int, default=9, help="PCA components of the ViT features")
-    p.add_argument("--trees", type=int, default=None,
+    p.add_argument("--components", type=at_least(1), default=9, help="PCA components of the ViT features")
+    p.add_argument("--trees", type=at_least(1), default=None,
                    help="number of trees (boosting rounds, or forest size) instead of the classifier's default")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the classifier, of the pixel sample it trains on and of random backbone weights")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     t = sub.add_parser("train", help=ACTIONS["train"], description=ACTIONS["train"])
-    t.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE")
+    t.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE",
+                   help="training images: folders (their PNG/TIFF/JPEG/BMP files) and/or files; multi-page TIFFs "
+                        "are stacks")
     t.add_argument("--labels", nargs="+", required=True, metavar="DIR_OR_FILE",
                    help="label images: 0 = unlabelled, 1..K = classes, paired with the images by file name")
     _add_backbone_arguments(t, several=False)
@@ -89,20 +95,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--features", default=None, metavar="MODULE:FUNCTION",
                    help="user feature hook: a function taking the scaled image ((H, W) or (H, W, 3) floats in "
                         "[0, 1]) and returning (H, W, F) features; stored by import path, never pickled")
-    t.add_argument("--modal", type=int, default=0, metavar="N",
+    t.add_argument("--modal", type=at_least(0), default=0, metavar="N",
                    help="majority (modal) filter of odd window N px on the masks (default 0: none)")
     t.add_argument("--colour", choices=("channels", "grey"), default="channels",
                    help="colour images: featurised per channel (default; the model then takes colour images only) "
                         "or converted to grey (luma)")
     t.add_argument("--crf", nargs="?", const=DEFAULT_CRF_PRESET, choices=tuple(CRF_PRESETS), default=None,
-                   help=f"refine predictions with a dense CRF when applying: preset gentle (chosen on the labelled "
-                        f"micrographs, keeps thin phases; the default of a bare --crf), paper (the paper notebook's "
-                        f"sxy values) or library (the authors' backend's defaults)")
-    t.add_argument("--out", type=Path, required=True, metavar="MODEL_DIR")
+                   help="refine predictions with a dense CRF when applying: preset gentle (chosen on the labelled "
+                        "micrographs, keeps thin phases; the default of a bare --crf), paper (the paper notebook's "
+                        "sxy values) or library (the authors' backend's defaults)")
+    t.add_argument("--out", type=Path, required=True, metavar="MODEL_DIR",
+                   help="folder to write the model to (config.json, classifier.json; what apply --model reads)")
     a = sub.add_parser("apply", help=ACTIONS["apply"], description=ACTIONS["apply"])
-    a.add_argument("--model", type=Path, required=True, metavar="MODEL_DIR")
-    a.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE")
-    a.add_argument("--out", type=Path, required=True, metavar="DIR")
+    a.add_argument("--model", type=Path, required=True, metavar="MODEL_DIR",
+                   help="a model folder written by 'segment train' or the app's Save")
+    a.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE",
+                   help="images to segment: folders and/or files (several folders may hold the same names)")
+    a.add_argument("--out", type=Path, required=True, metavar="DIR",
+                   help="output folder: <name>_mask.png, <name>_overlay.png, area_fractions.csv, colour_key.png, "
+                        "segment_run.json (one model per folder; a second run of the same model adds to it)")
     a.add_argument("--recursive", action="store_true",
                    help="also segment images in subfolders of the --images folders; outputs mirror the subfolders")
     a.add_argument("--format", choices=("png", "tif"), default="png", help="mask file format")
@@ -112,19 +123,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--crf", choices=("model", "on", "off") + tuple(CRF_PRESETS), default="model",
                    help=f"dense-CRF clean-up: as the model was trained (default), on (preset {DEFAULT_CRF_PRESET}), "
                         f"off, or a preset ({', '.join(CRF_PRESETS)})")
-    a.add_argument("--modal", type=int, default=None, metavar="N",
+    a.add_argument("--modal", type=at_least(0), default=None, metavar="N",
                    help="majority filter of odd window N px (0: none; default: as the model was trained)")
-    a.add_argument("--device", default=None)
+    a.add_argument("--device", default=None, help="where a ViT backbone runs (default: cuda if available, else cpu)")
     b = sub.add_parser("benchmark", help=ACTIONS["benchmark"], description=ACTIONS["benchmark"])
-    for name in ("train-images", "train-masks", "test-images", "test-masks"):
-        b.add_argument(f"--{name}", nargs="+", metavar="DIR_OR_FILE")
+    for name, what in (("train-images", "training images"), ("train-masks", "their complete ground-truth masks"),
+                       ("test-images", "test images"), ("test-masks", "their ground-truth masks")):
+        b.add_argument(f"--{name}", nargs="+", metavar="DIR_OR_FILE",
+                       help=f"{what}: folders and/or files, paired by name (without --synthetic)")
     b.add_argument("--synthetic", action="store_true",
                    help="use generated 3-phase micrographs (offline; not the paper's data)")
     b.add_argument("--composition-shift", action="store_true",
                    help="generated data whose test images lack the brightest of three phases, run once per "
                         "intensity mode (training, percentile, minmax, dtype; --intensity is not used)")
-    b.add_argument("--synthetic-size", type=int, default=256)
-    b.add_argument("--synthetic-count", type=int, nargs=2, default=(5, 5), metavar=("TRAIN", "TEST"))
+    b.add_argument("--synthetic-size", type=at_least(1), default=256,
+                   help=f"side of the generated square images in px (default %(default)s; under {MIN_SYNTHETIC_SIZE} "
+                        "is warned about)")
+    b.add_argument("--synthetic-count", type=at_least(1), nargs=2, default=(5, 5), metavar=("TRAIN", "TEST"),
+                   help="number of generated training and test images (default 5 5)")
     b.add_argument("--dataset", choices=DATASETS, default=None,
                    help="the labelled micrographs shipped with alibi-vit: super (Ni-superalloy SEM), ebc (barrier "
                         "coatings), isb (the interactive-seg-backend authors' test images), all. Per image and seed: "
@@ -146,9 +162,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --dataset: score the central PX×PX of each image only (quick runs)")
     _add_backbone_arguments(b, several=True)
     _add_common(b, several=True)
-    b.add_argument("--rounds", type=int, default=5)
-    b.add_argument("--per-class", type=int, default=1, help="scribbles per class per training image per round")
-    b.add_argument("--out", type=Path, default=Path("segment_benchmark"), metavar="DIR")
+    b.add_argument("--rounds", type=at_least(1), default=5,
+                   help="scribble rounds: each adds --per-class scribbles per class per image and retrains (default 5)")
+    b.add_argument("--per-class", type=at_least(1), default=1, help="scribbles per class per training image per round")
+    b.add_argument("--out", type=Path, default=Path("segment_benchmark"), metavar="DIR",
+                   help="output folder: benchmark.csv, miou_vs_round and examples figures (default %(default)s)")
+    add_figure_arguments(b)
 
 
 def _pair(images, labels, what="labels"):
@@ -183,6 +202,11 @@ def _image_label_pairs(image_sources, label_sources, what="labels"):
 
     images = [p for p in image_files if not (p in shared and is_label(p))]
     labels = [p for p in label_files if p not in shared or is_label(p)]
+    paired_stems = {p.stem + s for p in images for s in LABEL_SUFFIXES}
+    orphans = [p.name for p in labels if p.stem not in paired_stems]
+    if orphans:
+        warnings.warn(f"{len(orphans)} {what} file(s) match no image and are not used: "
+                      f"{', '.join(orphans[:5])}{' …' if len(orphans) > 5 else ''}")
     if not images or not labels:
         found = ", ".join(p.name for p in image_files[:5]) + (" …" if len(image_files) > 5 else "")
         raise ValueError(f"found no {'images' if not images else what} to pair among {len(image_files)} file(s) "
@@ -192,7 +216,13 @@ def _image_label_pairs(image_sources, label_sources, what="labels"):
 
 
 def _check_backbone_weights(args, names):
-    """Backbones need --pretrained, a checkpoint or --allow-random-init: random features must be asked for."""
+    """Backbones need --pretrained, a checkpoint or --allow-random-init: random features must be asked for.
+    An unknown name is said first (a misspelt name has no weights either, but that is not the problem)."""
+    if names:
+        from ..models.checkpoint import check_model_name
+
+        for name in names:
+            check_model_name(name)
     checkpoints = checkpoints_by_model(args.checkpoint, names) if args.checkpoint else {}
     random = [n for n in names if n not in checkpoints and not args.pretrained]
     if random and not args.allow_random_init:
@@ -202,15 +232,6 @@ def _check_backbone_weights(args, names):
         print(f"note: {name} is randomly initialised from --seed {args.seed} (features carry no meaning)",
               file=sys.stderr)
     return checkpoints
-
-
-def _check_out_folder(out: Path, option: str = "--out") -> None:
-    """Fail before any work when the output folder cannot be one (it, or a folder above it, is a file)."""
-    for place in (out, *out.parents):
-        if place.exists():
-            if not place.is_dir():
-                raise ValueError(f"{option} {out}: {place} is an existing file; give a folder")
-            return
 
 
 def _classifier_params(args):
@@ -232,7 +253,7 @@ def _train(args) -> int:
         backbone_kwargs = dict(checkpoint=checkpoints.get(args.backbone), model_kwargs=parse_model_args(args.model_arg),
                                pretrained=args.pretrained and args.backbone not in checkpoints)
     pairs = _image_label_pairs(args.images, args.labels)
-    _check_out_folder(args.out)
+    check_folder_path(args.out)
     images, labels = [], []
     for img, lab in tqdm(pairs, desc="read", disable=len(pairs) < 2):
         stack, label_stack = read_slices(img), read_slices(lab)
@@ -261,32 +282,52 @@ def _train(args) -> int:
 
 
 def _apply(args) -> int:
-    import warnings
+    from functools import partial
 
     from ..trainable.segmenter import DEFAULT_CRF_PRESET
-
-    from ..images import read_array, scale_colour
     from ..trainable import TrainableSegmenter
-    from ..trainable.io import (area_fractions, list_image_files, overlay, read_slices, write_colour_key,
-                                write_fractions_csv, write_mask, write_proba)
+    from ..trainable.io import list_image_files, write_colour_key, write_fractions_csv
+    from ..trainable.output_folder import CSV_NAME, OutputFolder, model_digest, output_names
 
-    files, where = [], {}  # where: image → (output folder, name in the CSV)
+    files, sources, relative = [], [], []
     for src in args.images:
         for f in list_image_files([src], recursive=args.recursive):
-            rel = f.relative_to(src) if Path(src).is_dir() else Path(f.name)
             files.append(f)
-            where[f] = (args.out / rel.parent, rel.as_posix())
-    _check_out_folder(args.out)
+            sources.append(Path(src))
+            relative.append(f.relative_to(src) if Path(src).is_dir() else Path(f.name))
+    outputs, notes = output_names(files, sources, relative)
+    for note in notes:
+        warnings.warn(note)
+    where = {f: (args.out / o.folder, o.row, o.stem) for f, o in zip(files, outputs)}  # output folder, CSV name, stem
+    check_folder_path(args.out)
+    if args.modal is not None and args.modal % 2 == 0 and args.modal:
+        raise ValueError(f"--modal must be 0 or an odd window size, got {args.modal}")
     seg = TrainableSegmenter.load(args.model, device=args.device)
-    args.out.mkdir(parents=True, exist_ok=True)
     if args.modal is not None:
-        if args.modal < 0 or (args.modal and args.modal % 2 == 0):
-            raise ValueError(f"--modal must be 0 or an odd window size, got {args.modal}")
         seg.modal = args.modal
     if args.crf != "model":
         seg.crf = {"on": DEFAULT_CRF_PRESET, "off": False}.get(args.crf, args.crf)
     k = int(seg.classes_.max())
-    failed, names, counts = [], [], []
+    settings = {"model": str(Path(args.model).resolve()), "model_digest": model_digest(args.model), "crf": seg.crf or "off",
+                "modal": seg.modal, "format": args.format, "proba": args.proba, "overlay": not args.no_overlay}
+    with OutputFolder(args.out, settings, partial(write_fractions_csv, classes=seg.classes_)) as folder:
+        failed = _apply_all(args, seg, files, where, folder, k)
+    write_colour_key(args.out / "colour_key.png", seg.classes_, k)
+    print(f"segmented {len(files) - len(failed)} of {len(files)} image(s) into {args.out} "
+          f"(area fractions per class in {args.out / CSV_NAME})")
+    if failed:
+        print(f"alibi-vit segment: error: {len(failed)} image(s) could not be read: {', '.join(failed)}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _apply_all(args, seg, files, where, folder, k) -> list[str]:
+    """Segment ``files`` into ``folder`` (an :class:`OutputFolder`); the names of those that could not be read."""
+    from ..images import read_array, scale_colour
+    from ..trainable.io import area_fractions, overlay, read_slices, write_mask, write_proba
+
+    failed = []
 
     def read(path):
         stack = read_slices(path)
@@ -318,35 +359,27 @@ def _apply(args) -> int:
         probas = [seg.predict_proba([x], scaled=True)[0]
                   for x in tqdm(scaled, desc=f"{path.name} slices", leave=False, disable=not is_stack)]
         masks = [seg.mask_from_proba(p) for p in probas]
-        dest = where[path][0]
-        for z, mask in enumerate(masks):
-            names.append(f"{where[path][1]}[{z}]" if is_stack else where[path][1])
-            counts.append((area_fractions(mask, seg.classes_)[0], mask.size))
+        dest, row, stem = folder.stage(where[path][0]), where[path][1], where[path][2]
+        rows = [(f"{row}[{z}]" if is_stack else row, area_fractions(mask, seg.classes_)[0], mask.size)
+                for z, mask in enumerate(masks)]
         if is_stack:  # written back as a stack: TIFF whatever --format says; no overlays
-            write_mask(dest / f"{path.stem}_mask.tif", np.stack(masks), k)
+            write_mask(dest / f"{stem}_mask.tif", np.stack(masks), k)
             if args.proba:
-                write_proba(dest, path.stem, np.stack(probas), seg.classes_)
+                write_proba(dest, stem, np.stack(probas), seg.classes_)
+            folder.commit(row, path, rows)
             continue
         array, image01, proba, mask = arrays[0], scaled[0], probas[0], masks[0]
-        write_mask(dest / f"{path.stem}_mask.{args.format}", mask, k)
+        write_mask(dest / f"{stem}_mask.{args.format}", mask, k)
         if args.proba:
-            write_proba(dest, path.stem, proba, seg.classes_)
+            write_proba(dest, stem, proba, seg.classes_)
         if not args.no_overlay:
             from PIL import Image
 
             # Colour images are shown in their own colours (by dtype), grayscale as the model scaled it.
             shown = scale_colour(array, "auto", str(path)) if image01.ndim == 3 else image01
-            Image.fromarray(overlay(shown, mask, 0.4, k)).save(dest / f"{path.stem}_overlay.png")
-    if names:
-        write_fractions_csv(args.out / "area_fractions.csv", names, counts, seg.classes_)
-        write_colour_key(args.out / "colour_key.png", seg.classes_, k)
-    print(f"segmented {len(files) - len(failed)} of {len(files)} image(s) into {args.out} "
-          f"(area fractions per class in {args.out / 'area_fractions.csv'})")
-    if failed:
-        print(f"alibi-vit segment: error: {len(failed)} image(s) could not be read: {', '.join(failed)}",
-              file=sys.stderr)
-        return 1
-    return 0
+            Image.fromarray(overlay(shown, mask, 0.4, k)).save(dest / f"{stem}_overlay.png")
+        folder.commit(row, path, rows)
+    return failed
 
 
 def _read_set(image_sources, mask_sources, what):
@@ -371,10 +404,11 @@ def _benchmark(args) -> int:
             raise ValueError(f"several --{option} values compare configurations of --dataset; the scribble-round "
                              "benchmark takes one")
         setattr(args, option, getattr(args, option)[0])
-    if args.rounds < 1:
-        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+    if (args.synthetic or args.composition_shift) and args.synthetic_size < MIN_SYNTHETIC_SIZE:
+        warnings.warn(f"--synthetic-size {args.synthetic_size}: images under {MIN_SYNTHETIC_SIZE} px are smaller "
+                      "than the filters' reach (σ up to 16 px) and hold few scribbles: the scores mean little")
     checkpoints = _check_backbone_weights(args, args.backbone)
-    _check_out_folder(args.out)
+    check_folder_path(args.out)
     if args.composition_shift:
         if args.train_images or args.test_images:
             raise ValueError("--composition-shift generates its data: give no --train-images/--test-images")
@@ -386,6 +420,11 @@ def _benchmark(args) -> int:
     else:
         tr, trm, _ = _read_set(args.train_images, args.train_masks, "train")
         te, tem, _ = _read_set(args.test_images, args.test_masks, "test")
+        unseen = sorted(set(np.unique(np.concatenate([m.ravel() for m in tem]))) - {0}
+                        - set(np.unique(np.concatenate([m.ravel() for m in trm]))))
+        if unseen:
+            raise ValueError(f"the test masks hold class(es) {', '.join(map(str, unseen))} that no training mask "
+                             "has: a classifier cannot predict them, so the scores would mean nothing")
     backbones = {"classical": None}
     if args.backbone:
         from ..models.checkpoint import create_backbone
@@ -407,7 +446,8 @@ def _benchmark(args) -> int:
                                                      segmenter_kwargs={**seg_kwargs, "intensity": args.intensity},
                                                      **run_kwargs)
     paths = write_outputs(args.out, rows, preds, te, test_masks,
-                          intensity="auto" if args.composition_shift else args.intensity)
+                          intensity="auto" if args.composition_shift else args.intensity,
+                          figure_format=args.figure_format, dpi=args.dpi)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     print("round  " + "  ".join(methods))
     for r in range(1, args.rounds + 1):
@@ -436,7 +476,7 @@ def _dataset_benchmark(args) -> int:
     if args.crop is not None and args.crop < 16:
         raise ValueError(f"--crop must be at least 16 px, got {args.crop}")
     checkpoints = _check_backbone_weights(args, args.backbone)
-    _check_out_folder(args.out)
+    check_folder_path(args.out)
     items = load_micrographs(args.dataset, None if args.split == "all" else args.split, args.images)
     if not items:
         among = " among --images" if args.images else ""

@@ -514,27 +514,30 @@ class TrainableSegmenter:
         if self.model_ is None:
             raise ValueError("the segmenter is not trained: call fit() or load() first")
 
-    def _proba_one(self, x: np.ndarray) -> np.ndarray:
+    def _proba_one(self, x: np.ndarray, on_progress=None) -> np.ndarray:
         vit_map = self._vit_map(x)
         k = len(self.classes_)
         out = np.empty(x.shape[:2] + (k,), np.float32)
-        for r0, r1, c0, c1 in self._regions(x.shape[:2]):
+        regions = list(self._regions(x.shape[:2]))
+        for i, (r0, r1, c0, c1) in enumerate(regions):
             feats = self._region_features(x, vit_map, r0, r1, c0, c1)
             # Pixel-major features reshape to C-contiguous rows without a copy (XGBoost would copy others).
             rows = np.ascontiguousarray(feats.reshape(-1, feats.shape[-1]), dtype=self.feature_dtype)
             out[r0:r1, c0:c1] = self.model_.predict_proba(rows).reshape(r1 - r0, c1 - c0, k)
+            if on_progress:
+                on_progress(i + 1, len(regions))
         if self.crf:
             out = dense_crf_tiled(out, x, self.tile, CRF_OVERLAP, self.crf, **self.crf_params)
         return out
 
-    def predict_proba(self, images, scaled: bool = False) -> list[np.ndarray]:
+    def predict_proba(self, images, scaled: bool = False, on_progress=None) -> list[np.ndarray]:
         """Per image an (H, W, K) float32 array of class probabilities, classes ordered as ``classes_``.
 
         scaled: the images are already the output of :meth:`scale` (so a caller that needs the scaled
-        image too scales once)."""
+        image too scales once). on_progress(done, total): called after each tile of each image."""
         self._check_fitted()
         xs = _as_list(images, "images") if scaled else self._prepare(images)
-        return [self._proba_one(x) for x in tqdm(xs, desc="segment", disable=not self.progress)]
+        return [self._proba_one(x, on_progress) for x in tqdm(xs, desc="segment", disable=not self.progress)]
 
     def predict(self, images, scaled: bool = False) -> list[np.ndarray]:
         """Per image an (H, W) int64 mask of class values (those in the training labels); ``scaled`` as
