@@ -207,3 +207,16 @@ def test_cli_train_takes_the_filter_set_and_classifier(tmp_path):
                     "--filters", filters, "--classifier", classifier, "--trees", "3", "--out", str(out)]) == 0
         config = json.loads((out / "config.json").read_text())
         assert (config["filters"], config["classifier"], len(config["feature_names"])) == (filters, classifier, n)
+
+
+def test_cli_choices_are_the_library_constants():
+    """The segment command names its choices itself (parsing imports no torch): they must be the library's."""
+    from alibi_vit.trainable import classical, classifier, crf, datasets, micrograph_benchmark, segmenter
+
+    assert set(segment_cli.CLASSIFIERS) == set(classifier.CLASSIFIERS)
+    assert segment_cli.DEFAULT_CLASSIFIER == classifier.DEFAULT_CLASSIFIER
+    assert set(segment_cli.FILTER_SETS) == set(classical.FILTER_SETS)
+    assert segment_cli.DEFAULT_FILTERS == segmenter.DEFAULT_FILTERS
+    assert set(segment_cli.CRF_PRESETS) == set(crf.CRF_PRESETS)
+    assert segment_cli.DEFAULT_CRF_PRESET == segmenter.DEFAULT_CRF_PRESET
+    assert segment_cli.DATASETS == datasets.DATASETS and segment_cli.PROTOCOLS == micrograph_benchmark.PROTOCOLS

@@ -8,7 +8,7 @@ import torch
 
 from alibi_vit.trainable import TrainableSegmenter, mean_iou, scribbles, synthetic_dataset
 from alibi_vit.trainable.classical import classical_feature_names
-from alibi_vit.trainable.segmenter import DEFAULT_FILTERS
+from alibi_vit.trainable.segmenter import DEFAULT_CRF_PRESET, DEFAULT_FILTERS
 from alibi_vit.trainable.classifier import balanced_weights
 from helpers import TINY, tiny_model
 
@@ -183,7 +183,7 @@ def test_crf_option_predicts_and_survives_save_load(tmp_path, data):
     assert not np.allclose(proba, plain.predict_proba(te[:1])[0], atol=1e-3)  # the CRF changed something
     seg.save(tmp_path / "crf")
     loaded = TrainableSegmenter.load(tmp_path / "crf")
-    assert loaded.crf == "paper" and loaded.crf_params == {"iterations": 5}  # crf=True: the paper preset
+    assert loaded.crf == DEFAULT_CRF_PRESET == "gentle" and loaded.crf_params == {"iterations": 5}  # crf=True
     np.testing.assert_array_equal(loaded.predict(te[:1])[0], seg.predict(te[:1])[0])
 
 

@@ -24,6 +24,13 @@ from tqdm.auto import tqdm
 from ..files import check_folder_path
 from .options import add_figure_arguments, at_least, checkpoints_by_model, parse_model_args
 
+# The choices of the options, named here so that parsing them imports no torch; they are the
+# library's (alibi_vit.trainable; tests/test_trainable_micrographs.py checks that they agree).
+CLASSIFIERS, DEFAULT_CLASSIFIER = ("random_forest", "xgboost"), "random_forest"
+FILTER_SETS, DEFAULT_FILTERS = ("compact", "weka"), "compact"
+CRF_PRESETS, DEFAULT_CRF_PRESET = ("gentle", "paper", "library"), "gentle"
+DATASETS = ("super", "ebc", "isb", "all")
+PROTOCOLS = ("sparse", "dense", "authors")
 ACTIONS = {
     "train": "train a pixel classifier from images and sparse label images",
     "apply": "segment images with a trained model; an unreadable image is skipped, named, and ends in exit status 1",
@@ -52,17 +59,13 @@ def _add_backbone_arguments(p, several: bool):
 
 
 def _add_common(p, several: bool = False):
-    from ..trainable.classical import FILTER_SETS
-    from ..trainable.classifier import CLASSIFIERS, DEFAULT_CLASSIFIER
-    from ..trainable.segmenter import DEFAULT_FILTERS
-
     many = dict(nargs="+") if several else {}
     listed = (lambda v: [v]) if several else (lambda v: v)  # noqa: E731
     either = " (several: each is a configuration of --dataset)" if several else ""
     p.add_argument("--classifier", choices=CLASSIFIERS, default=listed(DEFAULT_CLASSIFIER), **many,
                    help=f"pixel classifier (default {DEFAULT_CLASSIFIER}; docs/segmentation.md gives the benchmark "
                         f"behind it){either}")
-    p.add_argument("--filters", choices=tuple(FILTER_SETS), default=listed(DEFAULT_FILTERS), **many,
+    p.add_argument("--filters", choices=FILTER_SETS, default=listed(DEFAULT_FILTERS), **many,
                    help=f"classical filter set: compact (default, 29 features) or weka (the paper's 63){either}")
     p.add_argument("--intensity", choices=("training", "auto", "percentile", "minmax", "dtype"),
                    default=listed("training"), **many,
@@ -78,11 +81,6 @@ def _add_common(p, several: bool = False):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..trainable.crf import CRF_PRESETS
-    from ..trainable.datasets import DATASETS
-    from ..trainable.micrograph_benchmark import PROTOCOLS
-    from ..trainable.segmenter import DEFAULT_CRF_PRESET
-
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     t = sub.add_parser("train", help=ACTIONS["train"], description=ACTIONS["train"])
     t.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE",
@@ -100,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--colour", choices=("channels", "grey"), default="channels",
                    help="colour images: featurised per channel (default; the model then takes colour images only) "
                         "or converted to grey (luma)")
-    t.add_argument("--crf", nargs="?", const=DEFAULT_CRF_PRESET, choices=tuple(CRF_PRESETS), default=None,
+    t.add_argument("--crf", nargs="?", const=DEFAULT_CRF_PRESET, choices=CRF_PRESETS, default=None,
                    help="refine predictions with a dense CRF when applying: preset gentle (chosen on the labelled "
                         "micrographs, keeps thin phases; the default of a bare --crf), paper (the paper notebook's "
                         "sxy values) or library (the authors' backend's defaults)")
@@ -120,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--no-overlay", action="store_true", help="write only the masks, no overlay PNGs")
     a.add_argument("--proba", action="store_true",
                    help="also write per-class probability TIFFs (<name>_proba_<class>.tif, float32)")
-    a.add_argument("--crf", choices=("model", "on", "off") + tuple(CRF_PRESETS), default="model",
+    a.add_argument("--crf", choices=("model", "on", "off") + CRF_PRESETS, default="model",
                    help=f"dense-CRF clean-up: as the model was trained (default), on (preset {DEFAULT_CRF_PRESET}), "
                         f"off, or a preset ({', '.join(CRF_PRESETS)})")
     a.add_argument("--modal", type=at_least(0), default=None, metavar="N",
@@ -156,7 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--dense-seeds", type=int, nargs="+", default=None,
                    help="with --dataset: seeds of the dense protocol (default --seeds; only the classifier's "
                         "randomness varies there)")
-    b.add_argument("--crf", nargs="+", choices=("off",) + tuple(CRF_PRESETS), default=None,
+    b.add_argument("--crf", nargs="+", choices=("off",) + CRF_PRESETS, default=None,
                    help="with --dataset: CRF settings to compare (default: the segmenter's default)")
     b.add_argument("--crop", type=int, default=None, metavar="PX",
                    help="with --dataset: score the central PX×PX of each image only (quick runs)")
@@ -284,7 +282,6 @@ def _train(args) -> int:
 def _apply(args) -> int:
     from functools import partial
 
-    from ..trainable.segmenter import DEFAULT_CRF_PRESET
     from ..trainable import TrainableSegmenter
     from ..trainable.io import list_image_files, write_colour_key, write_fractions_csv
     from ..trainable.output_folder import CSV_NAME, OutputFolder, model_digest, output_names
