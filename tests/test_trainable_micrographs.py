@@ -220,3 +220,15 @@ def test_cli_choices_are_the_library_constants():
     assert set(segment_cli.CRF_PRESETS) == set(crf.CRF_PRESETS)
     assert segment_cli.DEFAULT_CRF_PRESET == segmenter.DEFAULT_CRF_PRESET
     assert segment_cli.DATASETS == datasets.DATASETS and segment_cli.PROTOCOLS == micrograph_benchmark.PROTOCOLS
+
+
+@pytest.mark.slow
+def test_cli_dataset_with_a_backbone_adds_its_configuration(tmp_path):
+    assert run(["benchmark", "--dataset", "isb", "--images", "isb_tem", "--crop", "64", "--seeds", "0", "--protocol",
+                "sparse", "--backbone", "alibi_vit_small_patch14_reg4_dinov2", "--allow-random-init", "--model-arg",
+                "depth=1", "--model-arg", "embed_dim=48", "--model-arg", "num_heads=2", "--components", "3",
+                "--intensity", "training", "dtype", "--out", str(tmp_path)]) == 0
+    runs = list(csv.DictReader(open(tmp_path / "runs.csv")))
+    assert {r["features"] for r in runs} == {f"compact/{i}/{b}" for i in ("training", "dtype")
+                                             for b in ("classical", "alibi_vit_small_patch14_reg4_dinov2")}
+    assert all(math.isfinite(float(r["miou"])) for r in runs)
