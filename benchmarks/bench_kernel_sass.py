@@ -415,12 +415,17 @@ def _label(r):
     return f"{r['kernel']}{' (atomic dQ)' if r['atomic_dq'] else ''}"
 
 
+def _cell(r) -> tuple:
+    """The (head_dim, dtype, slopes, kernel, atomic dQ) a row measures, over all its launch configs."""
+    return r["head_dim"], r["dtype"], r.get("slopes", "constant"), r["kernel"], bool(r.get("atomic_dq", False))
+
+
 def coverage(rows_or_plan) -> set:
     """What a run covers: (head_dim, dtype, slopes, kernel, atomic dQ, "all" or "default" configs) of its rows or
     plan. Which configs a kernel offers changes with the kernel; the scope of a run does not."""
     groups = {}
     for r in rows_or_plan:
-        key = (r["head_dim"], r["dtype"], r.get("slopes", "constant"), r["kernel"], bool(r.get("atomic_dq", False)))
+        key = _cell(r)
         groups[key] = groups.get(key, False) or not r["default"]
     return {(*key, "all" if every else "default") for key, every in groups.items()}
 
@@ -561,7 +566,11 @@ def rerender(out_dir: Path, version: str, compare: Path | None):
     path = Path(out_dir) / f"{stem(version)}.json"
     if not path.is_file():
         raise SystemExit(f"bench_kernel_sass.py: no {path} to rerender")
-    payload = json.loads(path.read_text())
+    return _write_finished(out_dir, version, json.loads(path.read_text()), compare)
+
+
+def _write_finished(out_dir: Path, version: str, payload: dict, compare: Path | None):
+    """Write a payload that compiles nothing more, with the other Triton's results file as its second column."""
     comparison = find_comparison(out_dir, version, compare)
     lines = markdown({**payload, "comparison": comparison})
     if comparison:
@@ -575,9 +584,6 @@ def merge_rows(rows, new_rows):
     """``rows`` with the cells ``new_rows`` covers (head_dim, dtype, slopes, kernel, atomic dQ) replaced by those rows,
     each in the place of the first row it replaces; cells new to ``rows`` go at the end. A cell whose configs
     ``rows`` covers and ``new_rows`` does not (all configs there, the default only here) is an error."""
-    def cell(r):
-        return next(iter(coverage([r])))[:5]
-
     old_scope = {c[:5]: c[5] for c in coverage(rows)}
     new_scope = {c[:5]: c[5] for c in coverage(new_rows)}
     narrower = sorted((c for c in new_scope if old_scope.get(c) == "all" and new_scope[c] == "default"), key=str)
@@ -586,10 +592,10 @@ def merge_rows(rows, new_rows):
                          f"file covers with all configs (e.g. {narrower[0]})")
     by_cell = {}
     for r in new_rows:
-        by_cell.setdefault(cell(r), []).append(r)
+        by_cell.setdefault(_cell(r), []).append(r)
     out, placed = [], set()
     for r in rows:
-        c = cell(r)
+        c = _cell(r)
         if c not in by_cell:
             out.append(r)
         elif c not in placed:  # the first row of a replaced cell: its new rows go here
@@ -620,13 +626,7 @@ def merge(out_dir: Path, version: str, source: Path, compare: Path | None):
     payload["summary"] = summarise(payload["rows"])
     payload.setdefault("merged", []).append(
         {**{k: new[k] for k in ("command", "torch", "date")}, "cells": sorted(map(list, coverage(new["rows"])))})
-    comparison = find_comparison(out_dir, version, compare)
-    lines = markdown({**payload, "comparison": comparison})
-    if comparison:
-        payload["comparison"] = {k: comparison[k] for k in ("triton", "torch", "date", "summary") if k in comparison}
-    md, js = write_report(out_dir, stem(version), payload, lines)
-    print(f"wrote {md} and {js}")
-    return payload
+    return _write_finished(out_dir, version, payload, compare)
 
 
 class _Inline:
