@@ -663,6 +663,10 @@ def goal_failures(summary) -> list[str]:
     for s in summary:
         if s["meets_goals"]:
             continue
+        if not s["judged"]:  # e.g. a run of one kernel, to merge into the full file
+            out.append(f"d={s['head_dim']} {s['dtype']} {s['slopes']}: not judged, the run has neither the forward "
+                       "nor every kernel of the default backward")
+            continue
         why = []
         for part in s["judged"]:
             p = s[part]

@@ -214,6 +214,10 @@ def test_merge_replaces_only_the_cells_the_smaller_run_covers():
     (learned,) = [s for s in bench.summarise(merged, atomic_default=lambda d, dt: True) if s["slopes"] == "learned"]
     assert learned["bwd_two-kernel"]["ratio"] == round((0.45 + 0.3) / (0.4 + 0.2), 3)
     assert learned["bwd_atomic"]["ratio"] == round(0.6 / 0.55, 3)
+    # A run of the dK/dV kernel alone cannot judge a two-kernel default backward, and says so.
+    (alone,) = bench.summarise(new, atomic_default=lambda d, dt: False)
+    assert bench.goal_failures([alone]) == ["d=64 bfloat16 learned: not judged, the run has neither the forward nor "
+                                            "every kernel of the default backward"]
     # A default-only run cannot stand in for cells measured with every config.
     with_all = rows + [_row("bwd_dkdv", "alibi", 0.5, "learned", default=False)]
     with pytest.raises(ValueError, match="only the default config"):
