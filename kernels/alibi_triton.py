@@ -71,7 +71,9 @@ bitwise deterministic for a given block configuration:
    query tiles, recomputing ``P = exp2(s - lse)``; ``dV += Pᵀ dO``, ``dS = P ∘ (dP - Δ)``
    with ``dP = dO Vᵀ``, ``dK += dSᵀ Q · scale``. When the slope needs a gradient it also
    accumulates ``Σ_i dS_ij·B_ij`` per key token into a (B, heads, N) buffer; torch sums that
-   to ``dL/dm_h = Σ_ij dS_ij·B_ij``.
+   to ``dL/dm_h = Σ_ij dS_ij·B_ij``. Across its loop each thread carries its own partial sums
+   (8 per key row, :func:`_add_row_products`: one FFMA per element, no shuffles) and reduces
+   them across threads once, after the loop.
 3. dQ kernel: a program keeps one query tile and loops over key tiles: ``dQ += dS K · scale``.
    Skipped entirely when q needs no gradient.
 
@@ -139,6 +141,9 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BIAS_MODES = ("table", "sqrt")
 # Width of the narrow key tile that replaces a mostly empty last tile (the smallest tl.dot operand).
 TAIL_N = tl.constexpr(16)
+# Partial sums per key row that the dK/dV kernel carries for the slope gradient (_add_row_products): the
+# column period of the tensor cores' accumulator layout, so each thread's columns map to its own partials.
+ROW_PARTIALS = tl.constexpr(8)
 # Grid axes 1 and 2 (heads, batch) are limited to 65535 programs by CUDA.
 _MAX_GRID_YZ = 65535
 
@@ -584,6 +589,35 @@ def _bwd_preprocess_kernel(O, DO, LSE, LSEP, Delta,
 
 
 @triton.jit
+def _fma_chain(acc, x, y):
+    """``acc + Σ_k x[:, :, k]·y[:, :, k]`` over the last axis (a power of two) as a chain from ``acc``, so every
+    product fuses into the add before it: one FFMA per element (``tl.split`` halves the axis in registers)."""
+    K: tl.constexpr = x.shape[2]
+    if K == 1:
+        return acc + tl.reshape(x, acc.shape) * tl.reshape(y, acc.shape)
+    else:
+        x0, x1 = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], K // 2, 2]))
+        y0, y1 = tl.split(tl.reshape(y, [y.shape[0], y.shape[1], K // 2, 2]))
+        return _fma_chain(_fma_chain(acc, x0, y0), x1, y1)
+
+
+@triton.jit
+def _add_row_products(acc, x, y):
+    """``acc + x∘y`` with column ``c`` of the (R, C) product added into ``acc[:, c % 8]``, acc (R, 8)
+    (``ROW_PARTIALS``): row sums left as 8 partials per row, which :func:`_dkdv_loop` carries across its loop
+    and sums once after it. In the tensor cores' accumulator layout (wgmma and mma.sync) a thread holds 2
+    adjacent columns of every 8, so these partials stay in the thread's registers: the loop adds one FFMA per
+    element and no shuffles, where ``tl.sum(x * y, 1)`` per tile costs a multiply and a half per element
+    (Triton 3.8 adds a thread's values as a tree, so half the products do not fuse into the adds) and a
+    cross-lane shuffle reduction."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    x = tl.permute(tl.reshape(x, [R, C // ROW_PARTIALS, ROW_PARTIALS]), [0, 2, 1])
+    y = tl.permute(tl.reshape(y, [R, C // ROW_PARTIALS, ROW_PARTIALS]), [0, 2, 1])
+    return _fma_chain(acc, x, y)
+
+
+@triton.jit
 def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Codes, Tbl,
                stride_qn, stride_qd, stride_don, stride_dod, stride_gn, stride_gd,
                N, h, w, code_stride, qk_scale, b_scale,
@@ -625,7 +659,7 @@ def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Cod
         if COMPUTE_DSLOPE and HAS_BIAS:  # here, so the bias tile is not live across the dK (and dQ) products
             if TABLE == 1:  # dL/dm needs B itself: gather it from the unscaled table (TABLE == 2 gathered it)
                 bias_t = _bias_tile(qa, qb, ku, kb, Tbl, h, w, TABLE, WRAP, True)
-            dsl += tl.sum(dst * bias_t, 1)
+            dsl = _add_row_products(dsl, dst, bias_t)
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), acc=dk, input_precision=DOT_PREC)
         if ATOMIC_DQ:  # this key tile's share of dQ (unscaled), added into the fp32 buffer in any order
             if BLOCK_M < 64:
@@ -687,7 +721,7 @@ def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, LSE, Delta, DSL, Slopes, Cod
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dsl = tl.zeros([BLOCK_N], dtype=tl.float32)
+    dsl = tl.zeros([BLOCK_N, ROW_PARTIALS], dtype=tl.float32)
     # One loop for every program, the last partial key tile's included: keys past N were loaded as
     # zeros and their rows of dK, dV and the slope partials are never stored, so only the atomic dQ
     # (which sums over keys) masks their probabilities. (Two copies of the loop, one masked, made
@@ -701,7 +735,7 @@ def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, LSE, Delta, DSL, Slopes, Cod
     tl.store(DV + g_off, dv.to(DV.dtype.element_ty), mask=mask_n[:, None])
     if COMPUTE_DSLOPE:
         # Per-key partial sums of dS·B; summed over keys and batch in torch (deterministic).
-        tl.store(DSL + offs_n, dsl * bias_norm, mask=mask_n)
+        tl.store(DSL + offs_n, tl.sum(dsl, 1) * bias_norm, mask=mask_n)
 
 
 @triton.jit

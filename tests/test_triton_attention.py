@@ -21,6 +21,8 @@ tl = triton.language
 from kernels.alibi_bias import device_bias_lookup  # noqa: E402
 from kernels.attention import alibi_attention, eager_alibi_attention  # noqa: E402
 from kernels.alibi_triton import (  # noqa: E402
+    ROW_PARTIALS,
+    _add_row_products,
     alibi_attention_bwd,
     alibi_attention_fwd,
     triton_alibi_attention,
@@ -152,6 +154,32 @@ def test_interpreter_runs_loops_with_run_time_bounds():
     x, out = torch.arange(37, dtype=torch.float32), torch.zeros(1)
     _loop_sum_kernel[(1,)](x, out, 37, BLOCK=8)
     assert out.item() == sum(range(37))
+
+
+@triton.jit
+def _row_products_kernel(X, Y, Out, Sums, ROWS: tl.constexpr, COLS: tl.constexpr, TILES: tl.constexpr):
+    offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    acc = tl.zeros([ROWS, ROW_PARTIALS], tl.float32)
+    for t in tl.static_range(TILES):  # carried across tiles, as the dK/dV kernel carries the slope partials
+        acc = _add_row_products(acc, tl.load(X + t * ROWS * COLS + offs), tl.load(Y + t * ROWS * COLS + offs))
+    tl.store(Out + tl.arange(0, ROWS)[:, None] * ROW_PARTIALS + tl.arange(0, ROW_PARTIALS)[None, :], acc)
+    tl.store(Sums + tl.arange(0, ROWS), tl.sum(acc, 1))
+
+
+@pytest.mark.skipif(CUDA, reason="runs on Triton's CPU interpreter")
+@pytest.mark.parametrize("cols", [8, 16, 32, 64])
+def test_row_products_are_partial_row_sums_by_column_mod_8(cols):
+    """The slope gradient's partial sums: column c of x∘y lands in partial c % 8 of its row, over every tile,
+    and a row's partials add up to the row sum of all tiles' products."""
+    g = torch.Generator().manual_seed(cols)
+    x, y = (torch.randn(2, 16, cols, generator=g) for _ in range(2))
+    parts = ROW_PARTIALS.value
+    out, sums = torch.empty(16, parts), torch.empty(16)
+    _row_products_kernel[(1,)](x, y, out, sums, ROWS=16, COLS=cols, TILES=2)
+    prod = (x.double() * y.double()).sum(0)  # (16, cols), both tiles
+    want = torch.stack([prod[:, j::parts].sum(1) for j in range(parts)], 1)
+    torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(sums.double(), prod.sum(1), rtol=1e-6, atol=1e-5)
 
 
 def test_bias_follows_spec_formula():
