@@ -118,17 +118,19 @@ def add_class(page, name: str) -> int:
 
 
 def label_layer_counts(page, colours: dict[int, str]) -> dict[int, int]:
-    """Pixels of each class colour on the page's label layer (the colourised labels.png)."""
+    """Pixels of each class colour on the page's label layer: its full-resolution tiles (level 0,
+    the colourised label tiles the server sent)."""
     return {int(k): v for k, v in page.evaluate(
         """colours => {
-            const c = document.getElementById('label-layer');
-            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
             const want = Object.entries(colours).map(([v, hex]) =>
                 [v, parseInt(hex.slice(1, 3), 16), parseInt(hex.slice(3, 5), 16), parseInt(hex.slice(5, 7), 16)]);
             const counts = Object.fromEntries(want.map(([v]) => [v, 0]));
-            for (let i = 0; i < d.length; i += 4) {
-                if (!d[i + 3]) continue;
-                for (const [v, r, g, b] of want) if (d[i] === r && d[i + 1] === g && d[i + 2] === b) { counts[v]++; break; }
+            for (const c of document.querySelectorAll('#label-layer canvas[data-level="0"]')) {
+                const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                for (let i = 0; i < d.length; i += 4) {
+                    if (!d[i + 3]) continue;
+                    for (const [v, r, g, b] of want) if (d[i] === r && d[i + 1] === g && d[i + 2] === b) { counts[v]++; break; }
+                }
             }
             return counts;
         }""", {str(k): v for k, v in colours.items()}).items()}
@@ -228,7 +230,7 @@ def test_scribble_train_reload_save_apply(micrograph, servers, new_page, tmp_pat
     # A reload shows every stroke: labels come from the server.
     colours = {c["value"]: c["color"] for c in server.json("GET", "/api/state")["classes"]}
     page.reload()
-    page.wait_for_function("() => window.app.labels !== null && window.app.current === 'm0'")
+    page.wait_for_function("() => window.app.labelsShown && window.app.current === 'm0'")
     after = server.png("/api/images/m0/labels.png")
     np.testing.assert_array_equal(after, labels)
     assert label_layer_counts(page, colours) == value_counts(labels, colours)
@@ -297,7 +299,7 @@ def test_restart_keeps_classes_and_labels(micrograph, servers, new_page, tmp_pat
     server_labels = first.png("/api/images/m0/labels.png")
     assert 0 < (server_labels == matrix).sum() < (two == matrix).sum()
     assert (server_labels == other).sum() == (two == other).sum()
-    page.wait_for_function("() => window.app.labels !== null && window.app.pendingStrokes === 0")
+    page.wait_for_function("() => window.app.labelsShown && window.app.pendingStrokes === 0")
     # The view: the wheel zooms around the cursor, right drag and space + drag pan (and draw nothing).
     box = page.locator("#canvas-area").bounding_box()
     cx, cy = box["x"] + 300, box["y"] + 250
@@ -338,7 +340,7 @@ def test_restart_keeps_classes_and_labels(micrograph, servers, new_page, tmp_pat
     open_app(page, second)
     assert second.json("GET", "/api/state")["classes"] == classes
     page.click('.image-row[data-id="m0"]')
-    page.wait_for_function("() => window.app.labels !== null")
+    page.wait_for_function("() => window.app.labelsShown")
     assert page.inner_text(f'.class-row[data-value="{matrix}"] .name') == "matrix"
     assert page.inner_text(f'.class-row[data-value="{other}"] .name') == "pore space"
     assert page.input_value(f'.class-row[data-value="{matrix}"] input[type=color]') == "#ff8800"
@@ -401,7 +403,9 @@ def test_bad_input_shows_the_servers_message(micrograph, servers, new_page, tmp_
     assert len(images) == 2 and images[1]["name"].startswith("small") and images[1]["width"] == 80
     new_id = images[1]["id"]
     assert "selected" in page.get_attribute(f'.image-row[data-id="{new_id}"]', "class")
-    assert page.evaluate("() => [document.getElementById('image-layer').width, document.getElementById('image-layer').height]") == [80, 64]
+    assert page.evaluate("() => [window.app.imageWidth, window.app.imageHeight]") == [80, 64]
+    tiles = page.evaluate("() => [...document.querySelectorAll('#image-layer canvas')].map(c => [c.width, c.height])")
+    assert tiles == [[80, 64]]   # one tile, the image at full resolution
 
 
 def test_speed_benchmark_script_runs(tmp_path):
@@ -453,7 +457,7 @@ def test_two_tabs_undo_only_what_each_shows(micrograph, servers, new_page, tmp_p
     b = new_page()
     open_app(b, server)
     open_image(b)
-    b.wait_for_function("() => window.app.labels !== null")
+    b.wait_for_function("() => window.app.labelsShown")
 
     a.route("**/api/state", lambda route: route.abort())   # A hears nothing more of the state
     b.keyboard.press(str(pores))

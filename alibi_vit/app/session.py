@@ -42,6 +42,7 @@ import numpy as np
 
 from .errors import SessionError
 from .imagefiles import DEFAULT_MAX_PIXELS, describe_kind, inspect_file, open_chunked, pixel_kind, read_images
+from ..trainable.output_folder import image_stem
 from .labels import SparseLabels
 
 __all__ = ["DEFAULT_COLOURS", "ImageEntry", "Session", "SessionError", "not_saved", "painted", "png_bytes",
@@ -366,7 +367,7 @@ class Session:
                 refused.append(reason)
                 continue
             for i, (shape, page_kind) in enumerate(pages):
-                stem = path.stem if len(pages) == 1 else f"{path.stem}_z{i:03d}"
+                stem = image_stem(path) if len(pages) == 1 else f"{image_stem(path)}_z{i:03d}"
                 entry = ImageEntry(self._unique_id(stem, {**self.images, **entries}), path,
                                    None if len(pages) == 1 else i, shape, page_kind, chunked)
                 entries[entry.id] = entry
