@@ -259,6 +259,7 @@ class Engine:
         self.shown = image_id
         self.scheduler.reprioritise(lambda key: key[0] == "features" and key[1] != image_id, BACKGROUND)
         self.scheduler.cancel(lambda key: key[0] == "fill" and key[1] != image_id, "another image is shown")
+        self._start_fill(image_id)  # a prediction begun before: the rest of it fills in
         state = self.feature_state(image_id)
         if state["state"] == "ready":
             return state
