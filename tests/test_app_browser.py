@@ -637,3 +637,93 @@ def test_a_randomly_initialised_backbone_is_named_as_such(micrograph, servers, n
     assert page.locator("#backbone-note").is_visible()
     assert "random initialisation" in page.inner_text("#backbone-note")
     assert "(random weights)" in page.inner_text("#backbone")
+
+
+def test_a_big_ome_zarr_is_shown_scribbled_trained_and_predicted_where_it_is_viewed(servers, new_page, tmp_path):
+    """An 8192² 16-bit OME-Zarr (67 MP): the page shows it from its pyramid at the zoom's level, one
+    tile at a time; zoomed in, strokes drawn with the mouse land where drawn; Train answers with the
+    overlay of the region on screen (a few percent of the image), which the page shows, and the rest
+    of the prediction fills in afterwards. No request ever asks for a whole image."""
+    from alibi_vit.synthetic import synthetic_micrograph
+    from alibi_vit.trainable.writers import ZarrOutput
+
+    base, base_truth = synthetic_micrograph(1024, 3, seed=3)[:2]
+    image, truth = np.tile(base, (8, 8)), np.tile(base_truth, (8, 8))   # 8192² px
+    folder = tmp_path / "images"
+    folder.mkdir()
+    out = ZarrOutput(folder / "big.ome.zarr", image.shape, image.dtype, 512)
+    for r in range(0, 8192, 2048):
+        out.write((slice(r, r + 2048), slice(0, 8192)), image[r:r + 2048])
+    out.finish()   # levels 1..4 stored in the file
+    server = servers(folder, tmp_path / "session")
+    page = new_page()
+    whole = []   # requests for a whole image, labels or prediction
+    tiles = []
+    page.on("request", lambda req: (tiles if "/tiles/" in req.url else whole).append(req.url)
+            if any(k in req.url for k in ("/tiles/", "display.png", "labels.png", "prediction.png", "mask.png",
+                                          "uncertainty.png")) else None)
+    open_app(page, server)
+    page.click('.image-row[data-id="big"]')
+    shown = wait_timing(page, "image_shown", "big", 1, timeout_ms=60_000)
+    assert (shown["width"], shown["height"]) == (8192, 8192) and shown["level"] >= 3   # fitted: a coarse level
+    assert {u.split("/tiles/")[1].split("/")[1] for u in tiles} == {str(shown["level"])}   # that level only
+    assert page.evaluate("() => window.app.state.images[0].chunked")
+
+    # Zoom in with the wheel around the image's centre until image pixels are about screen pixels.
+    centre = (4100, 4100)
+    page.mouse.move(*to_screen(page, *centre))
+    while page.evaluate("() => window.app.view.scale") < 0.9:
+        page.mouse.wheel(0, -300)
+        page.wait_for_timeout(50)
+    page.wait_for_function("() => window.app.level === 0 && window.app.labelsShown")
+    top, left, bottom, right = page.evaluate("() => window.app.region")
+    assert 200_000 < (bottom - top) * (right - left) < 2_000_000 and top <= centre[1] < bottom
+
+    values = {phase: add_class(page, name) for phase, name in enumerate(PHASES, start=1)}
+    margin = 40
+    crop = (slice(top + margin, bottom - margin), slice(left + margin, right - margin))
+    for phase, value in values.items():
+        page.keyboard.press(str(value))
+        for stroke in strokes_inside(truth[crop], phase, 3, 4):
+            draw(page, [(x + crop[1].start, y + crop[0].start) for x, y in stroke])
+    labels = np.zeros(image.shape, np.uint8)   # the server's labels, from the label tiles of level 0
+    for r in range(top // 512, -(-bottom // 512)):
+        for c in range(left // 512, -(-right // 512)):
+            labels[r * 512:(r + 1) * 512, c * 512:(c + 1) * 512] = server.png(f"/api/images/big/tiles/labels/0/{r}/{c}.png")
+    for phase, value in values.items():   # strokes land where drawn
+        assert (labels == value).sum() > 100
+        assert (truth[labels == value] == phase).mean() > 0.98
+    state = server.json("GET", "/api/state")
+    assert sum(state["images"][0]["labelled"].values()) == int((labels > 0).sum())
+    assert len(list((tmp_path / "session" / "labels" / "big.zarr").rglob("*/*"))) <= 4   # blocks with labels only
+
+    page.click("#train")
+    trained = wait_timing(page, "train", None, 1, timeout_ms=240_000)
+    assert trained["predicted"] < 0.1   # the answer waited for the region on screen, not the image
+    assert page.locator("#overlay-layer").is_visible() and page.evaluate("() => window.app.overlayShown")
+    # The overlay covers the view: sample it on the page's level-0 overlay tiles.
+    covered = page.evaluate("""([t, l, b, r]) => {
+        let hit = 0, n = 0;
+        for (let y = t + 2; y < b - 2; y += (b - t) / 20) for (let x = l + 2; x < r - 2; x += (r - l) / 20) {
+            const row = Math.floor(y / 512), col = Math.floor(x / 512);
+            const c = document.querySelector(`#overlay-layer canvas[data-level="0"][data-key="0/${row}/${col}"]`);
+            n++;
+            if (c && c.getContext('2d').getImageData(Math.floor(x) - col * 512, Math.floor(y) - row * 512, 1, 1).data[3] > 0) hit++;
+        }
+        return hit / n;
+    }""", [top, left, bottom, right])
+    assert covered == 1.0
+    mask = np.zeros(image.shape, np.uint8)
+    for r in range(top // 512, -(-bottom // 512)):
+        for c in range(left // 512, -(-right // 512)):
+            mask[r * 512:(r + 1) * 512, c * 512:(c + 1) * 512] = server.png(f"/api/images/big/tiles/prediction/0/{r}/{c}.png")
+    view = (slice(top, bottom), slice(left, right))
+    phase_of = np.zeros(256, np.int64)
+    for phase, value in values.items():
+        phase_of[value] = phase
+    assert miou(phase_of[mask[view]], truth[view], values) >= 0.6
+    # The rest follows in the background while the image is shown.
+    page.wait_for_function("() => window.app.state.images[0].prediction.predicted > " + str(trained["predicted"]),
+                           timeout=120_000)
+    assert not whole, whole
+    assert server.alive()

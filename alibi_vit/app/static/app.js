@@ -279,6 +279,7 @@
         canvas.width = Math.min(TILE, lw - c * TILE);
         canvas.height = Math.min(TILE, lh - r * TILE);
         canvas.dataset.level = String(level);
+        canvas.dataset.key = key;
         canvas.style.left = `${c * TILE * sx}px`;
         canvas.style.top = `${r * TILE * sy}px`;
         canvas.style.width = `${canvas.width * sx}px`;
