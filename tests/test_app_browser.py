@@ -739,3 +739,15 @@ def test_a_big_ome_zarr_is_shown_scribbled_trained_and_predicted_where_it_is_vie
                            timeout=120_000)
     assert not whole, whole
     assert server.alive()
+
+
+def test_big_image_benchmark_script_runs(tmp_path):
+    """benchmarks/bench_app_bigimage.py (the big-image goals of docs/app.md) still drives the page: a smoke run."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_app_bigimage.py"), "--smoke", "--fill-s", "1",
+                          "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "app_bigimage_cpu.json").read_text())
+    assert set(result["measured"]) == {"train_to_overlay_s", "open_big_s", "server_peak_rss_gb"}
+    assert all(v > 0 for v in result["measured"].values())
+    assert result["result"]["open_big"]["level"] >= 1   # the 2048² OME-Zarr fitted: shown from a coarser level
+    assert "| 2048² OME-Zarr: click → shown" in (tmp_path / "app_bigimage_cpu.md").read_text()
