@@ -61,12 +61,14 @@ def _rgb(colour: str) -> tuple[int, int, int]:
 class PeekCache:
     """The feature cache as a pass over a whole image uses it: what is cached is used, what is
     computed is not added (it would evict the features of the tiles on screen and labelled, which
-    every retraining needs) but kept in a small cache of the pass's own (``PASS_SCRATCH_BYTES``)."""
+    every retraining needs) but kept in a small cache of the pass's own: ``PASS_SCRATCH_BYTES`` with
+    a backbone (whose window features neighbouring tiles share), none for classical features (a
+    pass computes each tile's once)."""
 
-    def __init__(self, cache):
+    def __init__(self, cache, seg):
         from ..trainable.cache import FeatureCache
 
-        self.cache, self.scratch = cache, FeatureCache(PASS_SCRATCH_BYTES)
+        self.cache, self.scratch = cache, FeatureCache(PASS_SCRATCH_BYTES if seg.vit is not None else 0)
 
     def get(self, key: str, compute):
         if key in self.cache:
@@ -500,7 +502,7 @@ class Engine:
             tiles.sort(key=lambda t: (((t.core[0].start + t.core[0].stop) / 2 - cy) ** 2
                                       + ((t.core[1].start + t.core[1].stop) / 2 - cx) ** 2))
         cache = seg.cache
-        seg.cache = self.cache if keep_features else PeekCache(self.cache)
+        seg.cache = self.cache if keep_features else PeekCache(self.cache, seg)
         spent = 0
         try:
             for tile in tiles:
@@ -754,7 +756,7 @@ class Engine:
             if job.cancelled.is_set():
                 raise Cancelled("cancelled")
 
-        cache, seg.cache = seg.cache, PeekCache(self.cache)
+        cache, seg.cache = seg.cache, PeekCache(self.cache, seg)
         try:
             result = segment_to_files(seg, image, folder, image_id, fmt, overlays="overlays" in what, progress=False,
                                       colours=self.colours(), on_tile=on_tile)
