@@ -83,6 +83,15 @@ def png(response) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(response.content)))
 
 
+def ome_zarr(tmp_path, image) -> tuple[Path, Path]:
+    """(folder, store): ``image`` written into ``folder/big.ome.zarr`` with its pyramid, chunks of CHUNK px."""
+    folder = tmp_path / "images"
+    folder.mkdir()
+    out = ZarrOutput(folder / "big.ome.zarr", image.shape, image.dtype, CHUNK)
+    out.write((slice(0, SIZE), slice(0, SIZE)), image)
+    return folder, out.finish()
+
+
 def display(pixels, lo, hi) -> np.ndarray:
     """8-bit display values of grey pixels, the session's range mapped to 0..255."""
     return (np.clip((pixels.astype(np.float64) - lo) / (hi - lo), 0, 1) * 255).round().astype(np.uint8)
@@ -90,12 +99,7 @@ def display(pixels, lo, hi) -> np.ndarray:
 
 def test_tiles_come_from_the_files_pyramid_reading_only_their_chunks(tmp_path, micrograph, start, chunk_reads):
     image, _ = micrograph
-    folder = tmp_path / "images"
-    folder.mkdir()
-    out = ZarrOutput(folder / "big.ome.zarr", image.shape, image.dtype, CHUNK)
-    out.write((slice(0, SIZE), slice(0, SIZE)), image)
-    out.finish()
-    store = folder / "big.ome.zarr"
+    folder, store = ome_zarr(tmp_path, image)
     level1 = np.asarray(zarr.open_group(str(store), mode="r")["1"])  # as the file stores it
     session, engine, client = start(folder)
     state = client.get("/api/state").json()
@@ -189,12 +193,7 @@ def near(tiles, halo: int, chunk: int = CHUNK) -> set[tuple[str, int, int]]:
 def test_train_reads_labelled_tiles_predicts_the_region_first_then_fills_in(tmp_path, micrograph, start,
                                                                             chunk_reads, capsys):
     image, truth = micrograph
-    folder = tmp_path / "images"
-    folder.mkdir()
-    out = ZarrOutput(folder / "big.ome.zarr", image.shape, image.dtype, CHUNK)
-    out.write((slice(0, SIZE), slice(0, SIZE)), image)
-    out.finish()
-    store = folder / "big.ome.zarr"
+    folder, store = ome_zarr(tmp_path, image)
     session, engine, client = start(folder)
     seg = engine.segmenter()
     seg.tile = TILE  # 1024² in 5 × 5 tiles (the last ones 16 px)
