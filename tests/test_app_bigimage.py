@@ -286,3 +286,31 @@ def test_train_reads_labelled_tiles_predicts_the_region_first_then_fills_in(tmp_
     counts = ", ".join(f"{v}: {(labels == v).sum()}" for v in (1, 2, 3))
     assert f"{(labels > 0).sum()} labelled pixels in classes {counts}" in capsys.readouterr().out
     assert TrainableSegmenter.load(tmp_path / "model").classes_.tolist() == [1, 2, 3]
+
+
+def test_a_pyramidal_ome_tiff_is_shown_from_its_own_levels(tmp_path, micrograph, start):
+    """A BigTIFF of more than 16.8 Mpx with a pyramid (SubIFDs, as OME-TIFF writers store it): the
+    levels it stores are read from it (here every second pixel, which a mean would not give), the
+    coarser ones built from its smallest level."""
+    import tifffile
+
+    image = np.tile(micrograph[0], (5, 5))[:4200, :4200]  # 17.6 Mpx: read chunk by chunk
+    folder = tmp_path / "images"
+    folder.mkdir()
+    with tifffile.TiffWriter(folder / "pyr.ome.tif", bigtiff=True) as tif:
+        tif.write(image, subifds=2, tile=(256, 256), metadata={"axes": "YX"})
+        tif.write(image[::2, ::2], subfiletype=1, tile=(256, 256))
+        tif.write(image[::4, ::4], subfiletype=1, tile=(256, 256))
+    session, engine, client = start(folder)
+    (record,) = client.get("/api/state").json()["images"]
+    assert (record["id"], record["chunked"], record["width"]) == ("pyr", True, 4200)
+    lo, hi = session.fix_intensity()
+    np.testing.assert_array_equal(png(client.get("/api/images/pyr/tiles/image/1/1/2.png")),
+                                  display(image[::2, ::2][512:1024, 1024:1536], lo, hi))
+    np.testing.assert_array_equal(png(client.get("/api/images/pyr/tiles/image/2/0/1.png")),
+                                  display(image[::4, ::4][:512, 512:1024], lo, hi))
+    level2 = image[::4, ::4].astype(np.float64)  # 1050²: level 3 (525²) is its 2 × 2 means
+    np.testing.assert_array_equal(png(client.get("/api/images/pyr/tiles/image/3/0/0.png")),
+                                  display(np.round(level2.reshape(525, 2, 525, 2).mean(axis=(1, 3)))[:512, :512], lo, hi))
+    built = session.folder / "cache" / "pyramids" / "pyr"
+    assert sorted(p.name for p in built.iterdir() if not p.name.startswith(".")) == ["3"]

@@ -40,9 +40,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..trainable.output_folder import image_stem
 from .errors import SessionError
 from .imagefiles import DEFAULT_MAX_PIXELS, describe_kind, inspect_file, open_chunked, pixel_kind, read_images
-from ..trainable.output_folder import image_stem
 from .labels import SparseLabels
 
 __all__ = ["DEFAULT_COLOURS", "ImageEntry", "Session", "SessionError", "not_saved", "painted", "png_bytes",
