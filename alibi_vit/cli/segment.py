@@ -183,12 +183,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_figure_arguments(b)
 
 
+def _stems(path: Path) -> list[str]:
+    """The names a label file may be named after: the file name without its last suffix, and without
+    its image suffixes (``a.ome.zarr`` → ``a.ome``, ``a``: the app exports ``a_labels.zarr``)."""
+    from ..trainable.output_folder import image_stem
+
+    return list(dict.fromkeys([path.stem, image_stem(path)]))
+
+
 def _pair(images, labels, what="labels"):
     """Pair image files with label files by name (see the module docstring)."""
     by_stem = {p.stem: p for p in labels}
     pairs, missing = [], []
     for img in images:
-        match = next((by_stem[img.stem + s] for s in LABEL_SUFFIXES if img.stem + s in by_stem), None)
+        match = next((by_stem[stem + s] for stem in _stems(img) for s in LABEL_SUFFIXES if stem + s in by_stem),
+                     None)
         (pairs.append((img, match)) if match is not None else missing.append(img.name))
     if missing:
         raise ValueError(f"no {what} file for image(s) {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''} "
@@ -207,7 +216,7 @@ def _image_label_pairs(image_sources, label_sources, what="labels"):
     label_files = list_image_files(label_sources)
     image_files = list_image_files(image_sources)
     shared = set(image_files) & set(label_files)
-    stems = {p.stem for p in image_files}
+    stems = {stem for p in image_files for stem in _stems(p)}
     suffixes = [s for s in LABEL_SUFFIXES if s]
 
     def is_label(p):
@@ -215,7 +224,7 @@ def _image_label_pairs(image_sources, label_sources, what="labels"):
 
     images = [p for p in image_files if not (p in shared and is_label(p))]
     labels = [p for p in label_files if p not in shared or is_label(p)]
-    paired_stems = {p.stem + s for p in images for s in LABEL_SUFFIXES}
+    paired_stems = {stem + s for p in images for stem in _stems(p) for s in LABEL_SUFFIXES}
     orphans = [p.name for p in labels if p.stem not in paired_stems]
     if orphans:
         warnings.warn(f"{len(orphans)} {what} file(s) match no image and are not used: "

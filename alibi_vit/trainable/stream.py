@@ -58,19 +58,24 @@ def _display(src, core) -> np.ndarray:
 
 
 def segment_to_files(seg, image, folder, stem: str, out_format: str = "ome-zarr", *, proba: bool = False,
-                     overlays: bool = True, progress: bool = True) -> StreamResult:
+                     overlays: bool = True, progress: bool = True, colours=None, on_tile=None) -> StreamResult:
     """Segment ``image`` (an array, a :class:`~alibi_vit.chunked.ChunkedImage` or a source) with the
     trained ``seg`` tile by tile, writing ``<stem>_mask``, ``<stem>_overlay`` and with ``proba`` the
     probabilities into ``folder``: ``.ome.zarr`` images (probabilities one image with a channel per
     class) or ``.ome.tif`` files (probabilities ``<stem>_proba_<class>.ome.tif``). Raises
-    :class:`~alibi_vit.trainable.writers.OutputError` when an output cannot be written."""
+    :class:`~alibi_vit.trainable.writers.OutputError` when an output cannot be written.
+
+    colours: the class colours of overlays and of the mask's OME-Zarr metadata, a (max class + 1, 3)
+    uint8 table indexed by class value (default :func:`~alibi_vit.trainable.io.palette`).
+    on_tile(done, total): called after each tile of each pass; an exception it raises stops the
+    segmentation there and removes the outputs of this image (as any failure does)."""
     if out_format not in OUT_FORMATS:
         raise ValueError(f"out_format must be one of {', '.join(OUT_FORMATS)}, got {out_format!r}")
     seg._check_fitted()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     classes, k = seg.classes_, int(seg.classes_.max())
-    colours = palette(k)
+    colours = palette(k) if colours is None else np.asarray(colours, np.uint8)[:k + 1]
     mask_dtype = np.uint8 if k < 256 else np.uint16
     staging = folder / f".{stem}.partial"
     zarr_dir = folder if out_format == "ome-zarr" else staging
@@ -84,14 +89,20 @@ def segment_to_files(seg, image, folder, stem: str, out_format: str = "ome-zarr"
 
         mask_out = overlay_out = proba_out = None
         counts = np.zeros(len(classes), np.int64)
-        bar = tqdm(total=len(grid) * (1 + bool(seg.crf) + bool(seg.modal)), desc=f"{stem} tiles",
-                   disable=not progress, leave=False)
+        steps, done = len(grid) * (1 + bool(seg.crf) + bool(seg.modal)), [0]  # (a disabled tqdm counts nothing)
+        bar = tqdm(total=steps, desc=f"{stem} tiles", disable=not progress, leave=False)
+
+        def tile_done():
+            bar.update()
+            done[0] += 1
+            if on_tile is not None:
+                on_tile(done[0], steps)
 
         def finish_tile(core, p, mask):
             counts[:] += [(mask == c).sum() for c in classes]
             mask_out.write(core, mask.astype(mask_dtype))
             if overlay_out is not None:
-                overlay_out.write(core, overlay(_display(src, core), mask, 0.4, k))
+                overlay_out.write(core, overlay(_display(src, core), mask, 0.4, k, colours=colours))
             if proba_out is not None:
                 proba_out.write(core, p)
 
@@ -110,7 +121,7 @@ def segment_to_files(seg, image, folder, stem: str, out_format: str = "ome-zarr"
                     raw.write(tile.core, p)
                 else:
                     finish_tile(tile.core, p, classes[p.argmax(-1)])
-                bar.update()
+                tile_done()
             if seg.crf:  # pass 2: the CRF, on the CRF tiles of the whole-image path
                 refined = store(staging / "proba_crf.zarr", np.float32, len(classes)) if seg.modal else None
                 for tile in TileGrid(shape, seg.tile, CRF_OVERLAP):
@@ -119,14 +130,14 @@ def segment_to_files(seg, image, folder, stem: str, out_format: str = "ome-zarr"
                         refined.write(tile.core, q)
                     else:
                         finish_tile(tile.core, q, classes[q.argmax(-1)])
-                    bar.update()
+                    tile_done()
                 raw = refined if refined is not None else raw
             if seg.modal:  # pass 3: the modal filter, with its half-window of context
                 for tile in TileGrid(shape, chunk, seg.modal // 2):
                     p_outer = raw.read(*tile.outer)
                     mask = modal_filter(classes[p_outer.argmax(-1)], seg.modal)[tile.inner]
                     finish_tile(tile.core, p_outer[tile.inner], mask)
-                    bar.update()
+                    tile_done()
             bar.close()
             outputs = [o for o in (mask_out, overlay_out, proba_out) if o is not None]
             for out in outputs:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["OutputError", "ZarrOutput", "zarr_to_tiff"]
+__all__ = ["OutputError", "ZarrOutput", "downsample", "zarr_to_tiff"]
 
 TIFF_TILE = 512  # px; TIFF tiles are multiples of 16
 
@@ -36,7 +36,7 @@ def _fail(path, err: OSError) -> OutputError:
     return OutputError(f"cannot write {path}: {reason}; outputs written before stay valid")
 
 
-def _downsample(block: np.ndarray, nearest: bool) -> np.ndarray:
+def downsample(block: np.ndarray, nearest: bool) -> np.ndarray:
     """(C, h, w) → (C, ⌈h/2⌉, ⌈w/2⌉): every second pixel, or the mean of 2×2 (edges repeated)."""
     if nearest:
         return block[:, ::2, ::2]
@@ -126,7 +126,7 @@ class ZarrOutput:
                 for r in range(0, h, step):
                     for c in range(0, w, step):
                         block = np.asarray(below[..., r:r + step, c:c + step])
-                        small = _downsample(block if block.ndim == 3 else block[None], self.nearest)
+                        small = downsample(block if block.ndim == 3 else block[None], self.nearest)
                         level[..., r // 2:r // 2 + small.shape[-2], c // 2:c // 2 + small.shape[-1]] = \
                             small if block.ndim == 3 else small[0]
                 self.levels.append(level)
