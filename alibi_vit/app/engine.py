@@ -102,7 +102,7 @@ class Engine:
     """
 
     def __init__(self, session: Session, backbone: str | None = None, backbone_kwargs: dict | None = None,
-                 cache_bytes: int = 3 << 29, out: Path | None = None, device: str | None = None):
+                 cache_bytes: int = int(1.5 * 2**30), out: Path | None = None, device: str | None = None):
         from ..trainable.cache import FeatureCache
 
         self.session, self.backbone, self.backbone_kwargs = session, backbone, dict(backbone_kwargs or {})
