@@ -60,6 +60,9 @@ VIT_WINDOW_BYTES = 256 << 20  # without a cache: backbone windows kept for the n
 DEFAULT_FILTERS = "compact"  # chosen on the labelled micrograph set's training split (docs/segmentation.md)
 
 
+_KINDS: dict[int, type] = {}  # segmenter class by the dimensions of its images (2: this module's; 3: volumes)
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -267,6 +270,15 @@ class TrainableSegmenter:
         self.model_ = None
 
     dims = 2  # the images' dimensions: 2 here, 3 for volumes (VolumeSegmenter)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _KINDS[cls.dims] = cls  # what load() builds for a model of these dimensions
+
+    @classmethod
+    def _config_kwargs(cls, cfg: dict) -> dict:
+        """Constructor arguments of a saved model beyond those every segmenter takes."""
+        return {}
 
     def _set_filters(self, filters, sigmas, sigma_scale) -> None:
         fs = filter_set(filters, sigmas, sigma_scale)
@@ -552,9 +564,8 @@ class TrainableSegmenter:
             for i, (src, lab) in enumerate(zip(sources, labels)):
                 shape = labels_shape(lab, self.dims)
                 if shape != tuple(src.shape):
-                    unit = "px" if self.dims == 2 else "voxels (z×y×x)"
-                    raise ValueError(f"labels {i} is {'×'.join(map(str, shape))} {unit} but its "
-                                     f"{'image' if self.dims == 2 else 'volume'} {src.name} is "
+                    unit, kind = ("px", "image") if self.dims == 2 else ("voxels (z×y×x)", f"volume ({src.name})")
+                    raise ValueError(f"labels {i} is {'×'.join(map(str, shape))} {unit} but its {kind} is "
                                      f"{'×'.join(map(str, src.shape))} {unit}")
             labelled = self._labelled_tiles(sources, labels)
             totals: dict[int, int] = {}
@@ -780,13 +791,12 @@ class TrainableSegmenter:
                 ckpt = path / ckpt
             kwargs = dict(checkpoint=ckpt, pretrained=spec["pretrained"], model_kwargs=spec["model_kwargs"])
         crf = "library" if cfg["crf"] is True else cfg["crf"]  # format 1 stored True: the library's values
-        if cfg.get("dims", 2) == 3:
-            from .volumes import VolumeSegmenter
-
-            cls = VolumeSegmenter
-            kwargs.update(vit_combine=cfg.get("vit_combine", "mean"))
-        elif cls.dims != 2:
-            raise ValueError(f"{path} holds a model of 2D images: load it with TrainableSegmenter.load")
+        kind = _KINDS.get(cfg.get("dims", 2))
+        if kind is None or not issubclass(kind, cls):
+            raise ValueError(f"{path} holds a model of {cfg.get('dims', 2)}D images, which {cls.__name__} does not "
+                             "segment: load it with TrainableSegmenter.load")
+        cls = kind
+        kwargs.update(cls._config_kwargs(cfg))
         seg = cls(model, cfg["classifier"], crf, classifier_params=cfg["classifier_params"],
                   crf_params=cfg["crf_params"], filters=cfg.get("filters", "weka"), sigmas=cfg["sigmas"],
                   sigma_scale=cfg["sigma_scale"],
@@ -816,3 +826,6 @@ class TrainableSegmenter:
             with np.load(pca, allow_pickle=False) as state:
                 seg.vit.load_state(state)
         return seg
+
+
+_KINDS[2] = TrainableSegmenter

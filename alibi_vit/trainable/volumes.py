@@ -92,6 +92,10 @@ class VolumeSegmenter(TrainableSegmenter):
         return {**super().config(), "spacing": None if self.default_spacing is None else list(self.default_spacing),
                 "vit_combine": self.vit_combine}
 
+    @classmethod
+    def _config_kwargs(cls, cfg: dict) -> dict:
+        return {"vit_combine": cfg.get("vit_combine", "mean")}
+
     def _restore(self, cfg: dict) -> None:
         self.default_spacing = None if cfg.get("spacing") is None else check_spacing(cfg["spacing"])
 
