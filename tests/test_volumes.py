@@ -187,3 +187,25 @@ def test_labels_of_another_shape_and_2d_inputs_are_clear_errors():
         seg.predict([volume[0]])
     with pytest.raises(ValueError, match="dense CRF is for 2D images"):
         VolumeSegmenter(crf="gentle")
+
+
+def test_triplanar_vit_features_equal_in_blocks_and_mean_is_the_average_of_the_three_orientations(tmp_path):
+    from tests.helpers import TINY
+
+    volume, _, labels = z_only_phase((10, 16, 18), seed=5)
+    # one 56-px backbone window per slice (the default 518-px window would be mostly padding here)
+    seg = VolumeSegmenter("alibi_vit_small_patch14_reg4_dinov2", **FAST, model_kwargs=TINY, n_components=3,
+                          sigmas=(1.0,), vit_tile=56, vit_overlap=14, tile=64, vit_combine="concat").fit(volume, labels)
+    n_classical = len(volume_features(np.zeros((2, 2, 2), np.float32), (1.0,)))
+    whole = seg.features(volume)  # one block
+    assert whole.shape == volume.shape + (n_classical + 3 * 3,)
+    loaded = TrainableSegmenter.load(seg.save(tmp_path / "m"))  # the backbone rebuilt from its name and seed
+    assert loaded.vit_combine == "concat"
+    np.testing.assert_array_equal(loaded.predict([volume])[0], seg.predict([volume])[0])
+    seg.tile = 14
+    assert len(seg.tile_grid(seg.source(volume))) == 1 * 2 * 2
+    np.testing.assert_allclose(seg.features(volume), whole, atol=1e-5 * np.abs(whole).max())
+    seg.triplanar.combine = "mean"  # the same PCA for every orientation: the mean is over the three
+    vit = whole[..., n_classical:].reshape(volume.shape + (3, 3))  # orientation, component
+    np.testing.assert_allclose(seg.features(volume)[..., n_classical:], vit.mean(axis=-2),
+                               atol=1e-5 * np.abs(vit).max())
