@@ -2,6 +2,7 @@
 
     pip install -e ".[bench]"                                   # porespy, the generator
     python benchmarks/bench_volumes.py accuracy --size 256      # 3D vs 2D: mIoU, volume-fraction error
+    python benchmarks/bench_volumes.py accuracy --backbone NAME --checkpoint FILE   # + triplanar ViT, 3 ways
     python benchmarks/bench_volumes.py speed --sizes 256 512    # `segment train/apply`: time, peak RSS
     python benchmarks/bench_volumes.py report                   # → benchmarks/results/volumes_cpu.*
     python benchmarks/bench_volumes.py smoke                    # all of it at a toy size
@@ -98,7 +99,8 @@ def scores(pred: np.ndarray, truth: np.ndarray) -> dict:
             "max_fraction_error_pp": max(errors.values())}
 
 
-def accuracy(size: int, seed: int = 0) -> dict:
+def accuracy(size: int, seed: int = 0, backbone: str | None = None, checkpoint: str | None = None,
+             combines=()) -> dict:
     from alibi_vit.trainable import TrainableSegmenter, VolumeSegmenter
 
     volume, truth = microstructure(size, seed)
@@ -125,6 +127,12 @@ def accuracy(size: int, seed: int = 0) -> dict:
     rows["2d"] = {**scores(pred2, truth), "fit_seconds": round(fit2, 1),
                   "predict_seconds": round(time.perf_counter() - t, 1)}
     rows["miou_gain_3d_over_2d"] = round(rows["3d"]["miou"] - rows["2d"]["miou"], 4)
+    for combine in combines:  # the 3D filters plus the backbone's features on XY, XZ, YZ slices, combined
+        t = time.perf_counter()
+        seg = VolumeSegmenter(backbone, checkpoint=checkpoint, vit_combine=combine, seed=seed).fit(volume, labels)
+        pred = seg.predict([volume])[0]
+        rows[f"3d+vit {combine}"] = {**scores(pred, truth), "backbone": backbone, "checkpoint": checkpoint,
+                                     "seconds": round(time.perf_counter() - t, 1)}
     rows["load_after"] = _load()
     return rows
 
@@ -187,10 +195,11 @@ def report(folder: Path, stem: str = "volumes_cpu") -> None:
              f"{acc['load_after'][0]})", "",
              "| features | mIoU | volume fraction error (pp): pore / matrix / inclusion | fit (s) | predict (s) |",
              "|---|---|---|---|---|"]
-    for kind in ("3d", "2d"):
+    for kind in ["3d", "2d"] + [k for k in acc if k.startswith("3d+vit")]:
         r = acc[kind]
         errs = " / ".join(f"{r['fraction_error_pp'][p]:.2f}" for p in PHASES.values())
-        lines.append(f"| {kind} | {r['miou']:.4f} | {errs} | {r['fit_seconds']} | {r['predict_seconds']} |")
+        lines.append(f"| {kind} | {r['miou']:.4f} | {errs} | {r.get('fit_seconds', '–')} | "
+                     f"{r.get('predict_seconds', r.get('seconds'))} |")
     lines += ["", f"3D − 2D: {acc['miou_gain_3d_over_2d']:+.4f} mIoU. True volume fractions (pore, matrix, inclusion): "
               + ", ".join(f"{t:.3f}" for t, _ in acc["3d"]["fraction_true_pred"].values()) + ".", "",
               "## Time and memory (`segment train`, `segment apply` → mask stack; 16-bit TIFF input)", "",
@@ -217,6 +226,10 @@ def main(argv=None) -> int:
     p.add_argument("--size", type=int, default=BASE)
     p.add_argument("--sizes", type=int, nargs="+", default=[256, 512])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backbone", default=None, help="accuracy: also 3D filters + this backbone's triplanar features")
+    p.add_argument("--checkpoint", default=None, help="the backbone's weights (a file)")
+    p.add_argument("--vit-combine", nargs="+", default=["mean", "concat", "xy"],
+                   help="with --backbone: the ways of combining the three orientations to compare")
     args = p.parse_args(argv)
     if args.action == "smoke":
         acc = accuracy(48, args.seed)
@@ -227,7 +240,8 @@ def main(argv=None) -> int:
         return 0
     if args.action == "accuracy":
         args.folder.mkdir(parents=True, exist_ok=True)
-        acc = accuracy(args.size, args.seed)
+        acc = accuracy(args.size, args.seed, args.backbone, args.checkpoint,
+                       args.vit_combine if args.backbone else ())
         (args.folder / "accuracy.json").write_text(json.dumps(acc, indent=2) + "\n")
         print(json.dumps(acc, indent=2))
     elif args.action == "speed":

@@ -11,7 +11,14 @@ per orientation, from the three slices through it, and they are combined by ``co
 - ``"concat"``: the three side by side, 3·``n_components`` features;
 - ``"xy"``: the XY slices only (what a slice-by-slice segmentation sees), ``n_components``.
 
-MEASURE: why the default (fill in from the benchmark).
+Why ``mean`` is the default: it keeps the 2D path's feature count (the classifier sees as many ViT
+features beside the 3D filters as beside the 2D ones) and treats the three orientations alike, so
+a voxel's features do not depend on which axis the volume was stored along, while a structure
+seen edge-on in one orientation still shifts the average. ``concat`` keeps the orientations apart
+at three times the features; ``xy`` is the slice-by-slice baseline. The choice is not yet backed
+by a measurement with pretrained weights (the project's machines had none when volumes were
+added): ``python benchmarks/bench_volumes.py accuracy --backbone NAME --checkpoint FILE`` scores
+the three on the volume benchmark.
 
 Each slice's projected patch map (``n_components`` values per patch: a 512² slice holds 50 KB) is
 computed once, from the whole slice, and cached; a block's features are its slices' maps
