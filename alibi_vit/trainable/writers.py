@@ -166,7 +166,6 @@ def zarr_to_tiff(source: ZarrOutput, path, *, photometric: str = "minisblack") -
     outputs = []
     for ch, target in enumerate(path if planes else [path]):
         target = Path(target)
-        part = target.with_name(target.name + ".part")
 
         def tiles(level, ch=ch):
             h, w = level.shape[-2:]
@@ -182,7 +181,7 @@ def zarr_to_tiff(source: ZarrOutput, path, *, photometric: str = "minisblack") -
                           [(0, 0)] * (block.ndim - 2)
                     yield np.pad(block, pad)
 
-        try:
+        def write(part):
             with tifffile.TiffWriter(part, bigtiff=True, ome=True) as tif:
                 for i, level in enumerate(levels):
                     shape = tuple(level.shape[-2:]) + ((channels,) if channels > 1 else ())
@@ -192,12 +191,22 @@ def zarr_to_tiff(source: ZarrOutput, path, *, photometric: str = "minisblack") -
                         tif.write(tiles(level), subifds=len(levels) - 1, **options)
                     else:
                         tif.write(tiles(level), subfiletype=1, **options)
-            os.replace(part, target)
-        except OSError as err:
-            part.unlink(missing_ok=True)
-            raise _fail(target, err) from err
-        outputs.append(target)
+
+        outputs.append(_write_then_rename(target, write))
     return outputs
+
+
+def _write_then_rename(target: Path, write) -> Path:
+    """``write(part)`` a file beside ``target``, then rename it to ``target``: a reader never sees a
+    half-written file. A failed write removes the part and raises :class:`OutputError`."""
+    part = target.with_name(target.name + ".part")
+    try:
+        write(part)
+        os.replace(part, target)
+    except OSError as err:
+        part.unlink(missing_ok=True)
+        raise _fail(target, err) from err
+    return target
 
 
 def zarr_to_tiff_stack(source: ZarrOutput, path, *, ome: bool = False) -> list[Path]:
@@ -210,8 +219,6 @@ def zarr_to_tiff_stack(source: ZarrOutput, path, *, ome: bool = False) -> list[P
     planes = isinstance(path, (list, tuple))
     outputs = []
     for ch, target in enumerate(path if planes else [path]):
-        target = Path(target)
-        part = target.with_name(target.name + ".part")
         shape = tuple(level.shape[-3:])
 
         def pages(ch=ch):
@@ -222,12 +229,9 @@ def zarr_to_tiff_stack(source: ZarrOutput, path, *, ome: bool = False) -> list[P
         options = dict(shape=shape, dtype=level.dtype, photometric="minisblack", compression="zlib")
         if ome:
             options["metadata"] = {"axes": "ZYX", **{f"PhysicalSize{a}": v for a, v in zip("ZYX", source.spacing)}}
-        try:
+        def write(part, options=options, pages=pages):
             with tifffile.TiffWriter(part, bigtiff=ome or nbytes > 2 ** 31, ome=ome) as tif:
                 tif.write(pages(), **options)
-            os.replace(part, target)
-        except OSError as err:
-            part.unlink(missing_ok=True)
-            raise _fail(target, err) from err
-        outputs.append(target)
+
+        outputs.append(_write_then_rename(Path(target), write))
     return outputs
