@@ -19,8 +19,10 @@ Scribbles: two strokes per class (``alibi_vit.trainable.scribbles``) on each of 
 quarter, half and three quarters of the depth): the same label voxels train both segmenters.
 3D: ``VolumeSegmenter`` (the 3D filter bank, defaults). 2D: ``TrainableSegmenter`` (the 2D default
 filter set) trained on the 3 labelled slices and applied to every slice, the behaviour of
-``--features 2d``. Both use the default classifier. Scores against the truth over every voxel:
-mean IoU over the three phases, and per phase the volume fraction's error in percentage points.
+``--features 2d``. Both use the default classifier. "3d dense": the 3D segmenter trained on the
+same 3 slices labelled completely (every voxel), to tell the scribbles' sparsity from the
+features' limits. Scores against the truth over every voxel: mean IoU over the three phases, and
+per phase the volume fraction's error in percentage points.
 
 speed: ``alibi-vit segment train`` and ``segment apply`` (mask as a TIFF stack) on the volume file
 as subprocesses under ``/usr/bin/time -v``: peak RSS of the process, wall time, CPU time, and the
@@ -54,7 +56,7 @@ def _load() -> list[float]:
     return [round(v, 2) for v in os.getloadavg()]
 
 
-def microstructure(n: int = BASE, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def microstructure(n: int = BASE, seed: int = 0, noise: float = NOISE) -> tuple[np.ndarray, np.ndarray]:
     """(uint16 volume, uint8 truth 1|2|3) of side ``n`` (see the module docstring)."""
     import porespy as ps
     from scipy import ndimage as ndi
@@ -71,7 +73,7 @@ def microstructure(n: int = BASE, seed: int = 0) -> tuple[np.ndarray, np.ndarray
     for c, g in GREY.items():
         grey[truth == c] = g
     grey = ndi.gaussian_filter(grey, BLUR, mode="wrap")
-    grey += np.random.default_rng(seed).standard_normal(grey.shape, dtype=np.float32) * NOISE
+    grey += np.random.default_rng(seed).standard_normal(grey.shape, dtype=np.float32) * noise
     volume = np.clip((grey + 0.5) * 20000, 0, 65535).astype(np.uint16)
     return volume, truth
 
@@ -99,14 +101,14 @@ def scores(pred: np.ndarray, truth: np.ndarray) -> dict:
             "max_fraction_error_pp": max(errors.values())}
 
 
-def accuracy(size: int, seed: int = 0, backbone: str | None = None, checkpoint: str | None = None,
-             combines=()) -> dict:
+def accuracy(size: int, seed: int = 0, noise: float = NOISE, backbone: str | None = None,
+             checkpoint: str | None = None, combines=()) -> dict:
     from alibi_vit.trainable import TrainableSegmenter, VolumeSegmenter
 
-    volume, truth = microstructure(size, seed)
+    volume, truth = microstructure(size, seed, noise)
     labels = scribble_volume(truth, seed)
     zs = label_slices(size)
-    rows = {"size": size, "seed": seed, "labelled_voxels": int((labels > 0).sum()), "load_before": _load()}
+    rows = {"size": size, "seed": seed, "noise": noise, "blur": BLUR, "labelled_voxels": int((labels > 0).sum()), "load_before": _load()}
     t = time.perf_counter()
     seg3 = VolumeSegmenter(seed=seed).fit(volume, labels)
     fit3 = time.perf_counter() - t
@@ -119,6 +121,12 @@ def accuracy(size: int, seed: int = 0, backbone: str | None = None, checkpoint: 
         pred3 = tifffile.imread(Path(tmp) / "v_mask.tif")
     rows["3d"] = {**scores(pred3, truth), "fit_seconds": round(fit3, 1),
                   "predict_seconds": round(time.perf_counter() - t, 1)}
+    # The same 3 slices labelled completely: how much of the error is the scribbles' sparsity
+    dense = np.zeros_like(labels)
+    dense[zs] = truth[zs]
+    t = time.perf_counter()
+    pred = VolumeSegmenter(seed=seed).fit(volume, dense).predict([volume])[0]
+    rows["3d dense"] = {**scores(pred, truth), "seconds": round(time.perf_counter() - t, 1)}
     t = time.perf_counter()
     seg2 = TrainableSegmenter(seed=seed).fit([volume[z] for z in zs], [labels[z] for z in zs])
     fit2 = time.perf_counter() - t
@@ -184,35 +192,41 @@ def speed(folder: Path, sizes, seed: int = 0) -> list[dict]:
 def report(folder: Path, stem: str = "volumes_cpu") -> None:
     from report import environment, write_report
 
-    acc = json.loads((folder / "accuracy.json").read_text())
+    accs = [json.loads(p.read_text()) for p in sorted(folder.glob("accuracy_*.json"))]
     runs = [json.loads(line) for line in open(folder / "speed_runs.jsonl")]
     machine = f"{platform.machine()} CPU, {os.cpu_count()} cores (shared with other jobs)"
     lines = [f"# Volumes: 3D features vs slice-by-slice 2D ({machine})", "",
              "Generated three-phase microstructure (porespy `blobs` pores, `overlapping_spheres` inclusions, matrix; "
-             f"blur σ {BLUR}, noise σ {NOISE}), two scribbles per phase on 3 XY slices, default classifier; "
-             "`python benchmarks/bench_volumes.py` (its docstring describes the set-up).", "",
-             f"## Accuracy ({acc['size']}³, {acc['labelled_voxels']} labelled voxels; load {acc['load_before'][0]} → "
-             f"{acc['load_after'][0]})", "",
-             "| features | mIoU | volume fraction error (pp): pore / matrix / inclusion | fit (s) | predict (s) |",
-             "|---|---|---|---|---|"]
-    for kind in ["3d", "2d"] + [k for k in acc if k.startswith("3d+vit")]:
-        r = acc[kind]
-        errs = " / ".join(f"{r['fraction_error_pp'][p]:.2f}" for p in PHASES.values())
-        lines.append(f"| {kind} | {r['miou']:.4f} | {errs} | {r.get('fit_seconds', '–')} | "
-                     f"{r.get('predict_seconds', r.get('seconds'))} |")
-    lines += ["", f"3D − 2D: {acc['miou_gain_3d_over_2d']:+.4f} mIoU. True volume fractions (pore, matrix, inclusion): "
-              + ", ".join(f"{t:.3f}" for t, _ in acc["3d"]["fraction_true_pred"].values()) + ".", "",
+             f"grey values 0.2 / 0.5 / 0.8, blur σ {BLUR} voxels, Gaussian noise), two scribbles per phase on 3 XY "
+             "slices, default classifier; `python benchmarks/bench_volumes.py` (its docstring describes the set-up).",
+             "", "## Accuracy", "",
+             "| size | noise σ | seed | labelled voxels | features | mIoU | volume fraction error (pp): pore / matrix / "
+             "inclusion | fit (s) | predict (s) | load |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for acc in accs:
+        for kind in ["3d", "2d"] + [k for k in acc if k.startswith("3d ") or k.startswith("3d+vit")]:
+            r = acc[kind]
+            errs = " / ".join(f"{r['fraction_error_pp'][p]:.2f}" for p in PHASES.values())
+            lines.append(f"| {acc['size']}³ | {acc['noise']} | {acc['seed']} | {acc['labelled_voxels']} | {kind} | "
+                         f"{r['miou']:.4f} | {errs} | {r.get('fit_seconds', '–')} | {r.get('predict_seconds', r.get('seconds'))} | "
+                         f"{acc['load_before'][0]} → {acc['load_after'][0]} |")
+    lines += [""] + [f"- {a['size']}³, noise σ {a['noise']}, seed {a['seed']}: 3D − 2D = "
+                     f"{a['miou_gain_3d_over_2d']:+.4f} mIoU; true volume fractions (pore, matrix, inclusion) "
+                     + ", ".join(f"{t:.3f}" for t, _ in a["3d"]["fraction_true_pred"].values()) for a in accs]
+    lines += ["",
               "## Time and memory (`segment train`, `segment apply` → mask stack; 16-bit TIFF input)", "",
-              "| size | command | peak RSS (GB) | wall (s) | segment (s) | CPU (s) | s per 10⁸ voxels | load |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| size | command | peak RSS (GB) | wall (s) | segment (s) | CPU (s) | wall s per 10⁸ voxels | "
+              "CPU s per 10⁸ voxels | load |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         for cmd in ("train", "apply"):
             c = r[cmd]
-            per = r["apply_seconds_per_1e8_voxels"] if cmd == "apply" else "–"
+            per = (r["apply_seconds_per_1e8_voxels"], r["apply_cpu_seconds_per_1e8_voxels"]) if cmd == "apply" \
+                else ("–", "–")
             lines.append(f"| {r['size']}³ | {cmd} | {c['peak_rss_gb']:.2f} | {c['wall_seconds']} | "
-                         f"{c['segment_seconds'] or '–'} | {c['cpu_seconds']} | {per} | "
+                         f"{c['segment_seconds'] or '–'} | {c['cpu_seconds']} | {per[0]} | {per[1]} | "
                          f"{c['load_before'][0]} → {c['load_after'][0]} |")
-    payload = {"machine": machine, "environment": environment(), "accuracy": acc, "speed": runs,
+    payload = {"machine": machine, "environment": environment(), "accuracy": accs, "speed": runs,
                "command": "python benchmarks/bench_volumes.py accuracy|speed|report --folder DIR"}
     for path in write_report(None, stem, payload, lines):
         print(f"wrote {path}")
@@ -226,6 +240,7 @@ def main(argv=None) -> int:
     p.add_argument("--size", type=int, default=BASE)
     p.add_argument("--sizes", type=int, nargs="+", default=[256, 512])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--noise", type=float, default=NOISE, help=f"accuracy: noise σ (grey values 0.2/0.5/0.8; default {NOISE})")
     p.add_argument("--backbone", default=None, help="accuracy: also 3D filters + this backbone's triplanar features")
     p.add_argument("--checkpoint", default=None, help="the backbone's weights (a file)")
     p.add_argument("--vit-combine", nargs="+", default=["mean", "concat", "xy"],
@@ -240,9 +255,10 @@ def main(argv=None) -> int:
         return 0
     if args.action == "accuracy":
         args.folder.mkdir(parents=True, exist_ok=True)
-        acc = accuracy(args.size, args.seed, args.backbone, args.checkpoint,
+        acc = accuracy(args.size, args.seed, args.noise, args.backbone, args.checkpoint,
                        args.vit_combine if args.backbone else ())
-        (args.folder / "accuracy.json").write_text(json.dumps(acc, indent=2) + "\n")
+        name = f"accuracy_{args.size}_noise{args.noise:g}_seed{args.seed}.json"
+        (args.folder / name).write_text(json.dumps(acc, indent=2) + "\n")
         print(json.dumps(acc, indent=2))
     elif args.action == "speed":
         speed(args.folder, args.sizes, args.seed)
