@@ -209,3 +209,24 @@ def test_triplanar_vit_features_equal_in_blocks_and_mean_is_the_average_of_the_t
     vit = whole[..., n_classical:].reshape(volume.shape + (3, 3))  # orientation, component
     np.testing.assert_allclose(seg.features(volume)[..., n_classical:], vit.mean(axis=-2),
                                atol=1e-5 * np.abs(vit).max())
+
+
+def test_the_modal_filter_of_a_volume_takes_the_majority_of_n_cubed_voxels(trained, tmp_path):
+    from scipy import ndimage as ndi
+
+    volume, labels, seg, _, _ = trained
+    raw = seg.predict([volume])[0]
+
+    def majority(window):  # the most frequent value, ties to the smallest (np.unique sorts)
+        values, counts = np.unique(window, return_counts=True)
+        return values[np.argmax(counts)]
+
+    want = ndi.generic_filter(raw, majority, size=3, mode="reflect")
+    assert (want != raw).sum() > 100  # the filter changes this mask
+    seg.modal = 3
+    try:
+        np.testing.assert_array_equal(seg.predict([volume])[0], want)
+        segment_to_files(seg, volume, tmp_path, "v", "tif", progress=False)  # streamed: a pass over the blocks
+        np.testing.assert_array_equal(tifffile.imread(tmp_path / "v_mask.tif"), want)
+    finally:
+        seg.modal = 0
