@@ -127,3 +127,23 @@ def test_labels_of_another_shape_and_mismatched_pages_are_named(stack, tmp_path,
     assert main(["segment", "train", "--images", str(tmp_path / "img"), "--labels", str(tmp_path / "lab"),
                  "--out", str(tmp_path / "m")]) == 2
     assert "page 2 is 32×20 uint16 but page 0 is 32×32 uint16" in _one_line_error(capsys)
+
+
+def test_the_feature_hook_is_feature_fn_and_its_former_spelling_still_works(tmp_path, capsys):
+    import json
+
+    from alibi_vit.trainable import scribbles, synthetic_micrograph
+
+    (tmp_path / "img").mkdir()
+    image, mask = synthetic_micrograph(48, seed=0)
+    tifffile.imwrite(tmp_path / "img" / "a.tif", image)
+    tifffile.imwrite(tmp_path / "img" / "a_labels.tif", scribbles(mask, 1, rng=0).astype(np.uint8))
+    hook = "tests.test_trainable_segmenter:user_features"
+    for flag, out in (("--feature-fn", "new"), ("--features", "old")):
+        assert run(["train", "--images", str(tmp_path / "img"), "--labels", str(tmp_path / "img"), flag, hook,
+                    "--trees", "5", "--out", str(tmp_path / out)]) == 0
+        assert json.loads((tmp_path / out / "config.json").read_text())["feature_fn"] == hook
+    assert f"note: --features {hook} is read as --feature-fn" in capsys.readouterr().err
+    assert main(["segment", "train", "--images", str(tmp_path / "img"), "--labels", str(tmp_path / "img"),
+                 "--features", "4d", "--out", str(tmp_path / "x")]) == 2
+    assert "--features must be one of auto, 2d, 3d, got '4d'" in _one_line_error(capsys)
