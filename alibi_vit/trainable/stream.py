@@ -13,6 +13,11 @@ cuts the whole image) and the modal filter (its window's half-width of context).
 the whole-image computation, so the streamed outputs are those of
 :meth:`~alibi_vit.trainable.TrainableSegmenter.predict_proba` and ``predict``.
 Memory holds a few tiles' data, whatever the image size.
+
+Volumes (a :class:`~alibi_vit.trainable.volumes.VolumeSegmenter`) stream block by block the same
+way into (z, y, x) outputs: OME-Zarr (``ome-zarr``, the voxel spacing as its scale), or a
+multi-page TIFF stack (``tif``; ``bigtiff``: an OME-TIFF stack), converted from the zarr staging
+page by page; no overlays (view the mask over the volume in napari or Fiji).
 """
 
 from __future__ import annotations
@@ -29,11 +34,12 @@ from .io import overlay, palette
 from .segmenter import CRF_OVERLAP, modal_filter
 from .sources import ChunkedSource
 from .tiles import TileGrid
-from .writers import ZarrOutput, zarr_to_tiff
+from .writers import ZarrOutput, zarr_to_tiff, zarr_to_tiff_stack
 
 __all__ = ["OUT_FORMATS", "StreamResult", "segment_to_files"]
 
 OUT_FORMATS = ("ome-zarr", "bigtiff")
+VOLUME_FORMATS = ("ome-zarr", "bigtiff", "tif")
 
 
 @dataclass
@@ -62,15 +68,20 @@ def segment_to_files(seg, image, folder, stem: str, out_format: str = "ome-zarr"
     """Segment ``image`` (an array, a :class:`~alibi_vit.chunked.ChunkedImage` or a source) with the
     trained ``seg`` tile by tile, writing ``<stem>_mask``, ``<stem>_overlay`` and with ``proba`` the
     probabilities into ``folder``: ``.ome.zarr`` images (probabilities one image with a channel per
-    class) or ``.ome.tif`` files (probabilities ``<stem>_proba_<class>.ome.tif``). Raises
-    :class:`~alibi_vit.trainable.writers.OutputError` when an output cannot be written.
+    class) or ``.ome.tif`` files (probabilities ``<stem>_proba_<class>.ome.tif``). A volume (with a
+    volume segmenter) also takes ``tif``: ``<stem>_mask.tif`` and ``<stem>_proba_<class>.tif`` stacks;
+    volumes get no overlay. Raises :class:`~alibi_vit.trainable.writers.OutputError` when an output
+    cannot be written.
 
     colours: the class colours of overlays and of the mask's OME-Zarr metadata, a (max class + 1, 3)
     uint8 table indexed by class value (default :func:`~alibi_vit.trainable.io.palette`).
     on_tile(done, total): called after each tile of each pass; an exception it raises stops the
     segmentation there and removes the outputs of this image (as any failure does)."""
-    if out_format not in OUT_FORMATS:
-        raise ValueError(f"out_format must be one of {', '.join(OUT_FORMATS)}, got {out_format!r}")
+    volume = seg.dims == 3
+    formats = VOLUME_FORMATS if volume else OUT_FORMATS
+    if out_format not in formats:
+        raise ValueError(f"out_format must be one of {', '.join(formats)}, got {out_format!r}")
+    overlays = overlays and not volume
     seg._check_fitted()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -85,7 +96,8 @@ def segment_to_files(seg, image, folder, stem: str, out_format: str = "ome-zarr"
         grid = seg.tile_grid(src)
 
         def store(name, dtype, channels=1, pyramid=False, **kw):
-            return ZarrOutput(name, shape, dtype, chunk, channels, pyramid=pyramid, **kw)
+            return ZarrOutput(name, shape, dtype, chunk, channels, pyramid=pyramid, spacing=getattr(src, "spacing", None),
+                              **kw)
 
         mask_out = overlay_out = proba_out = None
         counts = np.zeros(len(classes), np.int64)
@@ -144,6 +156,12 @@ def segment_to_files(seg, image, folder, stem: str, out_format: str = "ome-zarr"
                 out.finish()
             if out_format == "ome-zarr":
                 paths = [o.path for o in outputs]
+            elif volume:
+                ext = ".ome.tif" if out_format == "bigtiff" else ".tif"
+                paths = zarr_to_tiff_stack(mask_out, folder / f"{stem}_mask{ext}", ome=out_format == "bigtiff")
+                if proba_out is not None:
+                    paths += zarr_to_tiff_stack(proba_out, [folder / f"{stem}_proba_{int(c)}{ext}" for c in classes],
+                                                ome=out_format == "bigtiff")
             else:
                 paths = zarr_to_tiff(mask_out, folder / f"{stem}_mask.ome.tif")
                 if overlay_out is not None:
@@ -154,10 +172,11 @@ def segment_to_files(seg, image, folder, stem: str, out_format: str = "ome-zarr"
             for name in ("mask", "overlay", "proba"):
                 shutil.rmtree(zarr_dir / f"{stem}_{name}.ome.zarr", ignore_errors=True)
             for name in ("mask", "overlay", *(f"proba_{int(c)}" for c in classes)):
-                (folder / f"{stem}_{name}.ome.tif").unlink(missing_ok=True)
+                for ext in (".ome.tif", ".tif"):
+                    (folder / f"{stem}_{name}{ext}").unlink(missing_ok=True)
             raise
         finally:
             bar.close()
             shutil.rmtree(staging, ignore_errors=True)
-    return StreamResult(counts, shape[0] * shape[1], paths, getattr(src, "note", ""))
+    return StreamResult(counts, int(np.prod(shape)), paths, getattr(src, "note", ""))
 
