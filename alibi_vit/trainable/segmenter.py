@@ -669,8 +669,9 @@ class TrainableSegmenter:
             raise ValueError("the segmenter is not trained: call fit() or load() first")
 
     def tile_proba(self, src, tile: Tile, part=None) -> np.ndarray:
-        """(h, w, K) float32 class probabilities of one tile's core, straight from the classifier
-        (no CRF, no modal filter: those look past the tile; :mod:`~alibi_vit.trainable.stream`).
+        """(h, w, K) float32 class probabilities of one tile's core ((d, h, w, K) for a volume's block),
+        straight from the classifier (no CRF, no modal filter: those look past the tile;
+        :mod:`~alibi_vit.trainable.stream`).
         part: only this region of the core ((rows, cols) slices in image coordinates) is classified
         (the features are the whole tile's, so through the cache a tile is featurised once however
         many parts of it are asked for, e.g. the part on screen first)."""
@@ -679,7 +680,7 @@ class TrainableSegmenter:
             feats = feats[tuple(slice(p.start - c.start, p.stop - c.start) for p, c in zip(part, tile.core))]
         # Pixel-major features reshape to C-contiguous rows without a copy (XGBoost would copy others).
         rows = np.ascontiguousarray(feats.reshape(-1, feats.shape[-1]), dtype=self.feature_dtype)
-        return self.model_.predict_proba(rows).reshape(feats.shape[:2] + (len(self.classes_),)).astype(
+        return self.model_.predict_proba(rows).reshape(feats.shape[:-1] + (len(self.classes_),)).astype(
             np.float32, copy=False)
 
     def predict_tiles(self, image, first=None):
