@@ -1168,7 +1168,7 @@ def backward_uses_table(q, use_table, metric, atomic):
     ("auto") the atomic-dQ backward on a GPU computes it per element whatever the forward did: on an H100
     (bf16, head_dim 64, ViT-B at 518 and 1022 px) that made forward+backward 8-17% faster for every slope
     kind, because the backward's gathers saturate L1 (74% of its throughput in the dK/dV kernel) while the
-    forward, whose gathers leave room, is 20% faster with the table. Elsewhere nothing was timed, so the
+    forward, whose gathers leave room, is 9-27% faster with the table. Elsewhere nothing was timed, so the
     backward keeps the forward's mode. The Manhattan metric always gathers."""
     if metric != "euclidean" or _BWD_BIAS == "same":
         return use_table
