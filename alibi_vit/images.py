@@ -50,6 +50,7 @@ __all__ = [
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+MAX_UPSCALE = 4  # load_image_set warns about images enlarged more than this (the thumbnail of a thumbnail)
 
 IntensityMode = Literal["auto", "dtype", "minmax", "percentile"]
 INTENSITY_MODES: tuple[str, ...] = ("auto", "dtype", "minmax", "percentile")
@@ -438,4 +439,12 @@ def load_image_set(source: str, size, noise_count: int = 8, seed: int = 0,
         hint = "" if os.sep in source else _did_you_mean(source, [*BUNDLED_SETS, "noise", *_BUNDLED_IMAGES])
         raise FileNotFoundError(f"{source!r} does not exist as a folder, an image file or a bundled set{hint} "
                                 f"(bundled sets: {_sets_listing()}; or 'noise')")
-    return named if size is None else [(name, resize_center_crop(img, size)) for name, img in named]
+    if size is None:
+        return named
+    out_h, out_w = (size, size) if isinstance(size, int) else size
+    for name, img in named:
+        factor = max(out_h / img.shape[-2], out_w / img.shape[-1])
+        if factor > MAX_UPSCALE:  # a thumbnail blown up: the features describe the interpolation, not the image
+            warnings.warn(f"image {name} is {img.shape[-2]}×{img.shape[-1]} px: upscaled {factor:.3g}× to "
+                          f"{out_h}×{out_w} px, its features say little about its content", stacklevel=2)
+    return [(name, resize_center_crop(img, size)) for name, img in named]

@@ -24,7 +24,14 @@ preempted and requeued on a cluster:
 - What the user got wrong is an error message with exit status 2, not a traceback: a
   configuration that cannot be built, a dataset root without the expected layout (the message
   shows it), an accelerator the machine lacks (with the CPU options to use instead), a
-  ``--ckpt_path`` that is missing or not a readable checkpoint.
+  ``--ckpt_path`` that is missing, a folder or not a readable checkpoint, a ``ValueError`` or
+  ``OSError`` before the first training step (an image size the model cannot take, a training set
+  smaller than a batch, a ``--run_dir`` that cannot be written); a typo in an option or a config
+  file is one line too (:mod:`lit_modules.parser_errors`), not the usage.
+- ``--ckpt_path FILE`` whose stored model settings differ from the config's (Lightning would silently
+  take the checkpoint's, over the command line too) is refused with the differences named, unless
+  ``--ckpt_hparams=checkpoint|config`` says which side wins.
+- Lightning's adverts for its cloud services are not printed.
 
 The config is saved with ``overwrite=True`` because a requeued job reuses its log folder.
 """
@@ -32,11 +39,13 @@ The config is saved with ``overwrite=True`` because a requeued job reuses its lo
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import pickle
 import shutil
 import sys
-from typing import Iterable, Optional
+import warnings
+from typing import Iterable, Literal, Optional
 
 import torch
 from jsonargparse import Namespace
@@ -48,8 +57,10 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from alibi_vit.files import require_file
 from datamodules import DatasetLayoutError
 from lit_modules.callbacks import LastCheckpoint
+from lit_modules.parser_errors import ConciseArgumentParser
 
 __all__ = ["ConfigurationError", "ProjectCLI", "cli", "main", "newest_resume_checkpoint"]
 
@@ -83,8 +94,10 @@ def check_checkpoint_file(path) -> None:
     inside Lightning (which reads it while parsing the command line). Lightning's keywords ("last", ...) pass."""
     if not path or path in ("last", "best", "hpc", "registry"):
         return
-    if not os.path.isfile(path):
-        raise ConfigurationError(f"--ckpt_path {path} does not exist")
+    try:
+        require_file(path, "--ckpt_path")
+    except OSError as err:
+        raise ConfigurationError(str(err)) from None
     try:  # what Lightning does next, with the failure caught
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
@@ -109,6 +122,12 @@ class ProjectCLI(LightningCLI):
                  "trainer.default_root_dir and a TensorBoardLogger writing straight into it (a logger the config "
                  "names is pointed there); ModelCheckpoint then defaults to RUN_DIR/checkpoints.")
 
+        parser.add_argument(
+            "--ckpt_hparams", type=Optional[Literal["checkpoint", "config"]], default=None,
+            help="When --ckpt_path holds model settings that differ from the config's (and the command line's), "
+                 "the run is refused, naming them; 'checkpoint' goes on with the checkpoint's settings, 'config' "
+                 "with the config's.")
+
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         # Which keys the user typed: a value given there beats the config's (before_instantiate_classes).
         if isinstance(args, (dict, Namespace)):
@@ -118,9 +137,37 @@ class ProjectCLI(LightningCLI):
         super().parse_arguments(parser, args)
 
     def _parse_ckpt_path(self) -> None:
-        if self.config.get("subcommand"):
-            check_checkpoint_file(self.config[self.config.subcommand].get("ckpt_path"))
-        super()._parse_ckpt_path()
+        """Lightning replaces the config's model settings by those stored in ``--ckpt_path``, even values typed
+        on the command line; here settings that differ are an error naming them, unless ``--ckpt_hparams``
+        says which side wins."""
+        if not self.config.get("subcommand"):
+            return super()._parse_ckpt_path()
+        config = self.config[self.config.subcommand]
+        path, choice = config.get("ckpt_path"), config.get("ckpt_hparams")
+        check_checkpoint_file(path)
+        before = config.get("model").clone() if config.get("model") is not None else None
+        try:
+            super()._parse_ckpt_path()
+        except SystemExit:  # jsonargparse already printed why; one line instead of Lightning's usage dump
+            raise ConfigurationError(f"--ckpt_path {path} holds model settings that the config's model class does "
+                                     "not take: it was written by another kind of job") from None
+        config = self.config[self.config.subcommand]
+        differences = _model_differences(before, config.get("model"))
+        classes = [d for d in differences if d[0] == "class_path"]
+        if classes:
+            raise ConfigurationError(f"--ckpt_path {path} was written by a {classes[0][1]}, but the config's model is "
+                                     f"a {classes[0][2]}: give a checkpoint of this kind of job")
+        if not differences or choice == "checkpoint":
+            return
+        if choice == "config":
+            config["model"] = before
+            return
+        shown = "; ".join(f"model.{key.removeprefix('init_args.')}: {theirs!r} in the checkpoint, {ours!r} given"
+                          for key, theirs, ours in differences[:6])
+        more = f" (and {len(differences) - 6} more)" if len(differences) > 6 else ""
+        raise ConfigurationError(f"--ckpt_path {path} was trained with other model settings: {shown}{more}; add "
+                                 "--ckpt_hparams=checkpoint to go on with the checkpoint's, or --ckpt_hparams=config "
+                                 "to keep the config's")
 
     def _subconfig(self, config):
         return config[self.subcommand] if self.subcommand else config
@@ -166,9 +213,10 @@ class ProjectCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         try:
             return self._trainer_with_run_dir(**kwargs)
-        except MisconfigurationException as err:  # e.g. accelerator: gpu on a machine without one
+        except (MisconfigurationException, TypeError, ValueError) as err:  # e.g. accelerator: gpu without a GPU
             hint = ""
-            if not torch.cuda.is_available():
+            accelerator = str(self._subconfig(self.config).get("trainer.accelerator") or "auto")
+            if not torch.cuda.is_available() and accelerator not in ("cpu", "auto"):
                 hint = ("; this machine has no usable GPU: run on the CPU with --trainer.accelerator=cpu "
                         "--trainer.devices=1 --trainer.precision=32-true (slow: for trying a config out)")
             raise ConfigurationError(f"cannot set up the trainer: {' '.join(str(err).split())}{hint}") from err
@@ -201,14 +249,47 @@ class ProjectCLI(LightningCLI):
             new_dirs = sorted({_first_new_folder(d) for d in dirs if isinstance(d, str) and not os.path.exists(d)})
         try:
             self.trainer.fit(**kwargs)
+        except RuntimeError as err:
+            if "Error(s) in loading state_dict" not in str(err):
+                raise
+            self._remove_if_untrained(new_dirs)
+            detail = " ".join(str(err).split())
+            detail = detail[detail.find(":") + 1:].strip()
+            raise ConfigurationError(f"--ckpt_path {kwargs.get('ckpt_path')}: its weights do not fit the model the "
+                                     f"config builds ({detail[:300]}{'…' if len(detail) > 300 else ''})") from None
+        except (ValueError, OSError) as err:  # before the first step: what was asked cannot run (data, folders)
+            if self._remove_if_untrained(new_dirs):
+                raise
+            raise ConfigurationError(_one_line(err)) from err
         except BaseException:
-            counters = [c.batches_trained for c in self.trainer.callbacks if isinstance(c, LastCheckpoint)]
-            trained = any(counters) if counters else self.trainer.global_step > 0
-            for d in new_dirs:
-                if not trained and os.path.isdir(d):
-                    shutil.rmtree(d, ignore_errors=True)
-                    rank_zero_info(f"removed {d}: the run failed before its first training step")
+            self._remove_if_untrained(new_dirs)
             raise
+
+    def _remove_if_untrained(self, new_dirs) -> bool:
+        """Remove the folders this run created if it trained no step; whether it had trained."""
+        counters = [c.batches_trained for c in self.trainer.callbacks if isinstance(c, LastCheckpoint)]
+        trained = any(counters) if counters else self.trainer.global_step > 0
+        for d in new_dirs:
+            if not trained and os.path.isdir(d):
+                shutil.rmtree(d, ignore_errors=True)
+                rank_zero_info(f"removed {d}: the run failed before its first training step")
+        return trained
+
+
+def _one_line(err: BaseException) -> str:
+    """An error's message on one line; an OSError as 'PATH: reason' (PermissionError on --run_dir...)."""
+    if isinstance(err, OSError) and err.strerror and err.filename is not None:
+        return f"{err.filename}: {err.strerror}"
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def _model_differences(before, after) -> list[tuple[str, object, object]]:
+    """(key, value after, value before) for every model setting that differs between two parsed configs."""
+    def flat(namespace):
+        return {} if namespace is None else {key: value for key, value in namespace.items(branches=False)}
+
+    old, new = flat(before), flat(after)
+    return [(key, new.get(key), old.get(key)) for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
 
 
 def _first_new_folder(path: str) -> str:
@@ -227,11 +308,23 @@ def cli(args=None, *, run: bool = True) -> ProjectCLI:
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
+        parser_class=ConciseArgumentParser,
         parser_kwargs={"prog": "lightning"},
         seed_everything_default=0,
         args=args,
         run=run,
     )
+
+
+def _not_an_advert(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("💡 Tip:")
+
+
+def quiet_lightning() -> None:
+    """Drop what Lightning prints on every run that says nothing about the run: its adverts for its cloud
+    services ("💡 Tip: ...") and a deprecation warning from its own use of torch's pytree API."""
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_not_an_advert)  # once, however often called
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
 
 
 def main(args=None) -> int:
@@ -243,6 +336,7 @@ def main(args=None) -> int:
     requeue signal raises :class:`~lit_modules.callbacks.TrainingInterrupted`
     (``SystemExit(128 + signum)``) after saving.
     """
+    quiet_lightning()
     try:
         cli(args)
     except (ConfigurationError, DatasetLayoutError) as err:  # what the user gave: a message, not a traceback

@@ -17,15 +17,16 @@ import json
 import warnings
 from pathlib import Path
 
-__all__ = ["export_student"]
+__all__ = ["FORMATS", "export_student"]
 
-_FORMATS = (".safetensors", ".pth", ".pt")
+FORMATS = (".safetensors", ".pth", ".pt")
 
 
 def _read_checkpoint(path: Path) -> dict:
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    from alibi_vit.files import require_file
     from alibi_vit.models.checkpoint import read_torch_file
+
+    require_file(path)
 
     ckpt = read_torch_file(path, what="Lightning checkpoint")
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
@@ -45,8 +46,8 @@ def export_student(checkpoint, out, *, verify: bool = True) -> Path:
     from .distillation import build_student, student_state_dict
 
     checkpoint, out = Path(checkpoint), Path(out)
-    if out.suffix not in _FORMATS:
-        raise ValueError(f"output {out} must end in one of {', '.join(_FORMATS)}")
+    if out.suffix not in FORMATS:
+        raise ValueError(f"output {out} must end in one of {', '.join(FORMATS)}")
     ckpt = _read_checkpoint(checkpoint)
     state = {k: v.detach().clone().contiguous() for k, v in student_state_dict(ckpt["state_dict"]).items()}
     hparams = dict(ckpt.get("hyper_parameters") or {})

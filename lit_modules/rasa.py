@@ -3,37 +3,53 @@
 Round t trains a fresh position head (a bias-free 2×C linear layer and a sigmoid) on the frozen
 backbone's final-normed patch tokens with the planes of rounds 1..t−1 removed, against each
 patch's (row, col) normalised to [0, 1] (MSE; AdamW on the head only, no weight decay, the
-learning rate cosine-decayed to 0 within each round). When the round's epochs are over, the
-plane its two weight rows span is frozen and stacked, the head is re-initialised and the
-optimizer state cleared. The number of rounds is ``rounds``; each round gets
-``trainer.max_epochs / rounds`` epochs (the reference: 12 rounds × 12 epochs, batch 32, 518 px).
+learning rate cosine-decayed to 0 over ``cosine_t_max`` steps of each round, by default the round's
+length; the reference decays over 540 of its 552 steps and lets the cosine climb back for the last
+12, to 2.4e-7 of the peak). When the round's epochs are over, the plane its two weight rows span
+is frozen and stacked, the head is re-initialised and the optimizer state cleared. The number of
+rounds is ``rounds``; each round gets ``trainer.max_epochs / rounds`` epochs (the reference: 12
+rounds × 12 epochs, batch 32, 518 px).
 
-Logged every validation epoch: ``val/mse`` (the round's head on the cleaned tokens),
-``val/mse_raw`` (the same head on the tokens with no plane removed), ``val/mse_own_removed``
-(the same head on the cleaned tokens with its own plane removed too: what the next round starts
-from; near the targets' variance when the plane held what the head used), ``val/head_r2`` (1 − MSE /
-variance of the targets, cleaned tokens), ``val/cosine`` (mean cosine similarity between
-original and cleaned tokens) and ``val/round``; with labelled validation batches (a segmentation
-datamodule such as :class:`datamodules.rasa.RASADataModule`'s VOC val) also ``val/oc_miou``: the
-OverClustering mIoU (:func:`alibi_vit.analysis.overclustering.overclustering_seeds`, k =
-``oc_k``, one seed, masks at 100×100) of the cleaned features of those batches, by which the
-reference picks its best round (``configs/rasa.yaml`` validates 4 batches at the end of each
-round). ``train/mse`` and ``train/lr`` every step.
+Logged once per key every validation epoch (``configs/rasa.yaml``: at the end of each round, before
+its plane is stacked): ``val/mse`` (the round's head on its tokens), ``val/mse_raw`` (the same head on
+the tokens with no plane removed), ``val/mse_own_removed`` (the same head on the tokens with this
+round's plane removed too: what the next round starts from; the targets' variance when the plane
+held what the head used), ``val/head_r2`` (1 − MSE / variance of the targets), ``val/cosine`` (mean
+cosine similarity between original tokens and those of ``val/mse``) and ``val/round``. With labelled
+validation batches (:class:`datamodules.rasa.RASADataModule`'s VOC val at 224 px) also the
+OverClustering mIoU at k = ``oc_k`` by the RASA reference's own recipe
+(:data:`alibi_vit.analysis.overclustering.RECIPES` ``"rasa"``: pixels of bilinearly upsampled
+features, faiss k-means, seed 1) of three feature sets:
 
-When fitting ends with every round done, the folded backbone (:func:`alibi_vit.analysis.rasa.fold_planes`: the timm state_dict
-plus the one matrix ``rasa_projection``) is written to ``EXPORT/rasa_backbone.safetensors``
-(its metadata records the model name and kwargs, as ``alibi-vit export`` does), the planes to
-``EXPORT/rasa_planes.pt`` ((T, 2, C) float32, orthonormal rows) and the last validation
-metrics of every round to ``EXPORT/rasa_rounds.json``; ``EXPORT`` is ``export_dir`` or
+- ``val/oc_miou_cleaned``: the tokens with every plane up to this round's removed (the reference's
+  ``x_no_pos``; what the next round, and a model folded at this round, gives). The best round is
+  chosen by it.
+- ``val/oc_miou_raw`` (the encoder's own tokens; the same every round, computed once) and
+  ``val/oc_miou_plane`` (only the tokens' component in this round's plane, the reference's
+  ``x_pos``), with ``oc_reference_mean`` (default).
+- ``val/oc_miou_reference_mean``: the mean of those three. The reference logs all three under one
+  key (``val/K=21_miou``), which Lightning averages: this is the number its log shows.
+
+``train/mse`` and ``train/lr`` every step.
+
+When fitting ends with every round done, the folded backbone (:func:`alibi_vit.analysis.rasa.fold_planes`:
+the timm state_dict plus the one matrix ``rasa_projection``) of the selected round is written to
+``EXPORT/rasa_backbone.safetensors`` (its metadata records the model name and kwargs, as
+``alibi-vit export`` does, and the rounds folded in): with ``select_round="best"`` (default) the
+round of highest ``val/oc_miou_cleaned`` (the reference picks its weights by its k = 21 validation
+mIoU), with ``"last"`` (or without labelled validation) all rounds. ``EXPORT/rasa_planes.pt`` holds
+every round's plane ((T, 2, C) float32, orthonormal rows) and ``EXPORT/rasa_rounds.json`` the last
+validation metrics of every round and the selection. ``EXPORT`` is ``export_dir`` or
 ``<run dir>/rasa``. ``alibi_vit.create_backbone(name, checkpoint=EXPORT/rasa_backbone.safetensors)``
 rebuilds it.
 
 Data: :class:`datamodules.rasa.RASADataModule` (the reference's VOC train images and augmentations;
 ``configs/rasa.yaml``), any of the image datamodules (batches of images), or a segmentation
-datamodule (its labels serve only ``val/oc_miou``). With ``feature_cache_dir`` and a segmentation datamodule (e.g.
-``COCOStuffSegmentation`` for COCO images, ``VOCSegmentation``) the backbone runs once per image
-and later epochs read float16 features from disk, exactly as the segmentation probe caches them
-(same files, same keys: a probe's cache of the same backbone is reused).
+datamodule (its labels serve only the OverClustering scores). With ``feature_cache_dir`` and a
+segmentation datamodule (e.g. ``COCOStuffSegmentation`` for COCO images, ``VOCSegmentation``) the
+backbone runs once per image and later epochs read float16 features from disk, exactly as the
+segmentation probe caches them (same files, same keys: a probe's cache of the same backbone is
+reused).
 """
 
 from __future__ import annotations
@@ -41,6 +57,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Literal
 
 import lightning as L
 import torch
@@ -84,19 +101,33 @@ class RASAModule(L.LightningModule):
         export_dir: where the folded backbone and the planes go (default ``<run dir>/rasa``).
         oc_k: clusters of the per-round OverClustering score (21: VOC's classes; 0 turns it off).
         oc_num_classes: classes of the validation labels (21 for VOC).
+        oc_batches: only the first this many validation batches feed the OverClustering scores (None: all;
+            the reference: 10 batches of 32, the first 320 VOC val images), the others only the MSEs.
+        oc_reference_mean: also score the raw tokens and the plane's component, and log the mean of the three
+            as the reference's log shows it (``val/oc_miou_reference_mean``).
+        select_round: ``best`` (default: the round of highest ``val/oc_miou_cleaned`` is exported) or ``last``.
+        cosine_t_max: steps over which each round's learning rate falls to 0 (default: the round's length;
+            the reference: 540, (1,464 // 32) × 12, in rounds of 552 steps).
     """
 
     def __init__(self, backbone: str = "vit_small_patch14_reg4_dinov2", backbone_checkpoint: str | None = None,
                  pretrained: bool | None = None, backbone_kwargs: dict | None = None,
                  allow_random_init: bool = False, rounds: int = 12, lr: float = 2e-4, orthogonalize: bool = True,
                  feature_cache_dir: str | None = None, export_dir: str | None = None, oc_k: int = 21,
-                 oc_num_classes: int = 21):
+                 oc_num_classes: int = 21, oc_batches: int | None = None, oc_reference_mean: bool = True,
+                 select_round: Literal["best", "last"] = "best", cosine_t_max: int | None = None):
         super().__init__()
         self.save_hyperparameters()
         if rounds < 1:
             raise ValueError(f"rounds must be at least 1, got {rounds}")
         if oc_k and oc_k < oc_num_classes:
             raise ValueError(f"oc_k={oc_k} is fewer than the {oc_num_classes} classes (0 turns the score off)")
+        if oc_batches is not None and oc_batches < 1:
+            raise ValueError(f"oc_batches must be at least 1 (None: every validation batch), got {oc_batches}")
+        if select_round not in ("best", "last"):
+            raise ValueError(f"select_round must be 'best' or 'last', got {select_round!r}")
+        if cosine_t_max is not None and cosine_t_max < 1:
+            raise ValueError(f"cosine_t_max must be at least 1 step, got {cosine_t_max}")
         self.backbone = frozen_backbone(backbone, backbone_checkpoint, pretrained, allow_random_init, backbone_kwargs)
         dim = self.backbone.num_features
         self.head = nn.Linear(dim, 2, bias=False)
@@ -105,7 +136,8 @@ class RASAModule(L.LightningModule):
         self.round_history: list[dict] = []
         self.feature_cache = None
         self._val_sums: dict[str, torch.Tensor] = {}
-        self._val_oc: list[tuple] = []
+        self._val_oc: dict[str, list] = {}
+        self._raw_oc: tuple | None = None  # (fingerprint of the validation features, their mIoU): computed once
 
     # ---- frozen backbone and features -------------------------------------------------------
 
@@ -157,19 +189,25 @@ class RASAModule(L.LightningModule):
                              f"(each round trains the same number of epochs; the reference: 12 × 12 = 144)")
         return max_epochs // rounds
 
+    def round_plane(self) -> torch.Tensor:
+        """(2, C) orthonormal rows of the plane this round's head spans, as it will be stacked: made orthogonal
+        to the earlier planes first with ``orthogonalize`` (the round's tokens have no component in those)."""
+        from alibi_vit.analysis.rasa import orthonormal_plane
+
+        weight = self.head.weight.detach().double()
+        if self.hparams.orthogonalize:
+            plane = orthogonalize_planes(list(self.planes.double()) + [weight])[-1]
+        else:
+            plane = orthonormal_plane(weight, self.round)
+        return plane.to(self.planes)
+
     def finish_round(self) -> torch.Tensor:
         """Freeze the head's plane, stack it, start a fresh head with a fresh optimizer state."""
-        plane = self.head.weight.detach().clone()
-        if self.hparams.orthogonalize:
-            plane = orthogonalize_planes(list(self.planes.double()) + [plane.double()])[-1]
-        else:
-            from alibi_vit.analysis.rasa import orthonormal_plane
-
-            plane = orthonormal_plane(plane, self.round)
+        plane = self.round_plane()
         metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val/")} \
             if self._trainer is not None else {}
         self.round_history.append({"round": self.round + 1, **metrics})
-        self.planes = torch.cat([self.planes, plane.to(self.planes)[None]])
+        self.planes = torch.cat([self.planes, plane[None]])
         self.head.reset_parameters()
         if self._trainer is not None:
             for optimizer in self.trainer.optimizers:
@@ -217,27 +255,23 @@ class RASAModule(L.LightningModule):
 
     def on_validation_epoch_start(self) -> None:
         self._val_sums = {}
-        self._val_oc = []
-
-    def own_plane(self) -> torch.Tensor:
-        """(1, 2, C) orthonormal basis of the plane the current head's two rows span."""
-        from alibi_vit.analysis.rasa import orthonormal_plane
-
-        return orthonormal_plane(self.head.weight.detach().double(), self.round).to(self.head.weight)[None]
+        self._val_oc = {}
 
     def validation_step(self, batch, batch_idx: int) -> None:
         raw, clean, target = self._tokens(batch)
-        own_removed = remove_planes(clean, self.own_plane())
-        if self.hparams.oc_k and isinstance(batch, dict) and "label" in batch:
-            from alibi_vit.analysis.overclustering import resize_labels_nearest
-
+        cleaned = remove_planes(clean, self.round_plane()[None])  # this round's plane removed too
+        oc_batch = self.hparams.oc_batches is None or batch_idx < self.hparams.oc_batches
+        if self.hparams.oc_k and oc_batch and isinstance(batch, dict) and "label" in batch:
             h, w = self._grid
-            self._val_oc.append((clean.reshape(clean.shape[0], h, w, -1).half().cpu().numpy(),
-                                 resize_labels_nearest(batch["label"].cpu().numpy(), 100)))
+            sets = {"cleaned": cleaned, "raw": raw, "plane": clean - cleaned} if self.hparams.oc_reference_mean \
+                else {"cleaned": cleaned}
+            for name, tokens in sets.items():
+                self._val_oc.setdefault(name, []).append(tokens.reshape(tokens.shape[0], h, w, -1).half().cpu().numpy())
+            self._val_oc.setdefault("masks", []).append(batch["label"].cpu().numpy())
         sums = {
             "sse": (self.predict_position(clean) - target).pow(2).sum(),
             "sse_raw": (self.predict_position(raw) - target).pow(2).sum(),
-            "sse_own": (self.predict_position(own_removed) - target).pow(2).sum(),
+            "sse_own": (self.predict_position(cleaned) - target).pow(2).sum(),
             "sst": (target - 0.5).pow(2).sum(),  # the grid targets' mean is exactly 0.5
             "cos": F.cosine_similarity(raw, clean, dim=-1).sum(),
             "tokens": torch.tensor(float(raw.shape[0] * raw.shape[1]), device=raw.device),
@@ -245,24 +279,39 @@ class RASAModule(L.LightningModule):
         for k, v in sums.items():
             self._val_sums[k] = self._val_sums.get(k, 0.0) + v.detach().double()
 
+    def overclustering_scores(self) -> dict[str, float]:
+        """The OverClustering metrics of the collected validation features (RASA recipe, k = ``oc_k``)."""
+        import numpy as np
+
+        from alibi_vit.analysis.overclustering import overclustering_seeds
+
+        collected = {name: np.concatenate(parts) for name, parts in self._val_oc.items()}
+        self._val_oc = {}
+        masks = collected.pop("masks")
+        if masks.size < self.hparams.oc_k:
+            return {}
+
+        def miou(features) -> float:
+            return float(overclustering_seeds(features, masks, self.hparams.oc_k, self.hparams.oc_num_classes,
+                                              recipe="rasa").miou)
+
+        scores = {"val/oc_miou_cleaned": miou(collected["cleaned"])}
+        if "raw" in collected:
+            fingerprint = (collected["raw"].shape, float(np.sum(collected["raw"], dtype=np.float64)))
+            if self._raw_oc is None or self._raw_oc[0] != fingerprint:  # the same images every round: once
+                self._raw_oc = (fingerprint, miou(collected["raw"]))
+            scores["val/oc_miou_raw"] = self._raw_oc[1]
+            scores["val/oc_miou_plane"] = miou(collected["plane"])
+            scores["val/oc_miou_reference_mean"] = float(np.mean([scores[f"val/oc_miou_{name}"]
+                                                                  for name in ("raw", "plane", "cleaned")]))
+        return scores
+
     def on_validation_epoch_end(self) -> None:
         if not self._val_sums:
             return
         s = {k: self.trainer.strategy.reduce(v, reduce_op="sum") for k, v in self._val_sums.items()}
         values = s["tokens"] * 2
-        metrics = {}
-        if self._val_oc:
-            import numpy as np
-
-            from alibi_vit.analysis.overclustering import overclustering_seeds
-
-            features = np.concatenate([f for f, _ in self._val_oc])
-            masks = np.concatenate([m for _, m in self._val_oc])
-            if features.shape[0] * features.shape[1] * features.shape[2] >= self.hparams.oc_k:
-                result = overclustering_seeds(features, masks, self.hparams.oc_k, self.hparams.oc_num_classes,
-                                              seeds=(0,))
-                metrics["val/oc_miou"] = float(result.miou)
-            self._val_oc = []
+        metrics = self.overclustering_scores() if self._val_oc else {}
         self.log_dict({**metrics, "val/mse": (s["sse"] / values).float(), "val/mse_raw": (s["sse_raw"] / values).float(),
                        "val/mse_own_removed": (s["sse_own"] / values).float(),
                        "val/head_r2": (1 - s["sse"] / s["sst"].clamp_min(1e-12)).float(),
@@ -275,18 +324,34 @@ class RASAModule(L.LightningModule):
         per_round = max(1, int(steps) // self.hparams.rounds) if math.isfinite(steps) else None
         if per_round is None:
             return optimizer
+        t_max = self.hparams.cosine_t_max or per_round
 
-        def cosine(step: int) -> float:  # each round: from lr down to 0
-            return 0.5 * (1.0 + math.cos(math.pi * min(step % per_round, per_round) / per_round))
+        def cosine(step: int) -> float:  # each round from lr to 0 at t_max; beyond it the cosine climbs back
+            return 0.5 * (1.0 + math.cos(math.pi * (step % per_round) / t_max))
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ---- export -----------------------------------------------------------------------------
 
-    def folded_backbone(self) -> nn.Module:
-        """A copy of the backbone with every finished plane folded in (:func:`alibi_vit.analysis.rasa.fold_planes`)."""
-        return fold_planes(self.backbone, list(self.planes), inplace=False)
+    def selected_round(self) -> tuple[int, str]:
+        """(rounds to fold in, why): the round of highest ``val/oc_miou_cleaned`` (the earliest of ties) with
+        ``select_round="best"`` when every finished round was validated at its end, else all finished rounds."""
+        key = "val/oc_miou_cleaned"
+        history = self.round_history[:self.round]
+        scored = all(key in h and h.get("val/round", h["round"]) == h["round"] for h in history)  # none stale
+        if self.hparams.select_round == "best" and history and scored:
+            best = max(history, key=lambda h: (h[key], -h["round"]))
+            return best["round"], f"highest {key}"
+        if self.hparams.select_round == "best":
+            return self.round, f"last round (not every round has its own {key}: no labelled validation at its end)"
+        return self.round, "last round (select_round=last)"
+
+    def folded_backbone(self, rounds: int | None = None) -> nn.Module:
+        """A copy of the backbone with the first ``rounds`` finished planes (default: all) folded in
+        (:func:`alibi_vit.analysis.rasa.fold_planes`)."""
+        planes = self.planes if rounds is None else self.planes[:rounds]
+        return fold_planes(self.backbone, list(planes), inplace=False)
 
     def export_dir(self) -> Path:
         if self.hparams.export_dir:
@@ -296,18 +361,21 @@ class RASAModule(L.LightningModule):
 
     @rank_zero_only
     def export(self) -> Path:
-        """Write the folded backbone (.safetensors), the planes (.pt) and the per-round metrics (.json)."""
+        """Write the selected round's folded backbone (.safetensors), every plane (.pt) and the per-round metrics
+        with the selection (.json)."""
         from alibi_vit.models.checkpoint import save_safetensors
 
         out = self.export_dir()
         out.mkdir(parents=True, exist_ok=True)
-        folded = self.folded_backbone()
+        rounds, why = self.selected_round()
+        folded = self.folded_backbone(rounds)
         state = {k: v.detach().cpu().contiguous() for k, v in folded.state_dict().items()}
         metadata = {"format": "pt", "model": str(self.hparams.backbone),
                     "model_kwargs": json.dumps({k: v for k, v in (self.hparams.backbone_kwargs or {}).items()
                                                 if k != "pretrained_cfg_overlay"}, default=str),
-                    "rasa_rounds": str(self.round)}
+                    "rasa_rounds": str(rounds)}
         save_safetensors(state, out / "rasa_backbone.safetensors", metadata=metadata)
         torch.save(self.planes.detach().cpu().float().clone(), out / "rasa_planes.pt")
-        (out / "rasa_rounds.json").write_text(json.dumps(self.round_history, indent=2) + "\n")
+        summary = {"selected_round": rounds, "selected_by": why, "rounds": self.round_history}
+        (out / "rasa_rounds.json").write_text(json.dumps(summary, indent=2) + "\n")
         return out

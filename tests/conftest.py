@@ -31,3 +31,21 @@ def no_network(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", unreachable)
     monkeypatch.setattr(timm_hub, "hf_hub_download", no_download)
     return calls
+
+
+@pytest.fixture
+def one_thread():
+    """BLAS and OpenMP pools at one thread, torch's included (faiss's OpenMP calls can run on torch's runtime, which
+    torch sets to its own thread count at its first parallel operation). OpenMP threads busy-wait at every barrier:
+    on a loaded 2-core machine the tests' tiny k-means runs took 10-50x longer with two threads than with one."""
+    import faiss  # noqa: F401  (threadpoolctl limits only the libraries already loaded)
+    import sklearn.cluster  # noqa: F401
+    from threadpoolctl import threadpool_limits
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with threadpool_limits(1):
+            yield
+    finally:
+        torch.set_num_threads(threads)

@@ -1,8 +1,10 @@
 """`alibi-vit channels`: a model whose positional channels are known by construction ranks them first."""
 
 import csv
+import json
 import math
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from alibi_vit.cli import channels as channels_cli
 from alibi_vit.models.checkpoint import create_backbone
 from tests.helpers import run_subcommand
 
+ROOT = Path(__file__).resolve().parents[1]
 ARCH = dict(depth=1, embed_dim=32, num_heads=2, img_size=112)  # 8×8 grid at 112 px: pos_embed used as is
 POSITIONAL = (5, 6, 9, 10)
 
@@ -124,3 +127,71 @@ def test_bad_top_and_unknown_model_are_errors(planted_checkpoint, tmp_path):
         run_channels(["--model", "vit_small_patch14_reg4_dinov2", "--top", "0", *common])
     with pytest.raises(ValueError, match="unknown model"):
         run_channels(["--model", "vit_smal_patch14_reg4_dinov2", *common])
+
+
+def _documented(line: str) -> bool:
+    """Whether a line appears in the project's documentation (the README, or the docs/ pages)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return any(line in page.read_text() for page in pages if page.is_file())
+
+
+def test_rule_on_the_authors_stored_rankings_prints_what_the_readme_says():
+    # the authors' notebook printed each ramp's six best channels; scores that rank them in that order (and every
+    # other channel below) stand in for the R² it did not print
+    stored = json.loads((ROOT / "tests" / "data" / "dinosaw_dinov2s_channel_rankings.json").read_text())
+    r2_by_ramp = {}
+    for ramp, best in stored["rankings"].items():
+        r2 = np.zeros(384)
+        r2[best] = np.linspace(0.9, 0.4, len(best))
+        assert rank_channels(r2)[:len(best)] == best
+        r2_by_ramp[ramp] = r2
+    default = channels_cli.rule_lines(r2_by_ramp, 2)
+    assert default == ["union of each ramp's top 2 (x, y, diag, radial): [117, 359, 345, 47, 113]",
+                       "blank_channels: [47, 113, 117, 345, 359]"]
+    without_diag = channels_cli.rule_lines({r: r2_by_ramp[r] for r in ("x", "y", "radial")}, 2)
+    top_1 = channels_cli.rule_lines(r2_by_ramp, 1)
+    # two of the authors' three lists are such rules; the third (47 89 113 359) is none with one count per ramp
+    assert without_diag[1] == "blank_channels: [47, 113, 117, 359]" and top_1[1] == "blank_channels: [47, 117, 359]"
+    assert {"47 117 359", "47 113 117 359", "47 89 113 359"} == set(stored["blanked_by_the_authors"])
+    for line in default + without_diag[1:] + top_1[1:]:
+        assert _documented(line), f"the documentation does not show the rule's output {line!r}"
+
+
+@pytest.mark.filterwarnings("ignore:positional probe:")  # small grids: the probe says so; not the point here
+def test_native_size_by_default(planted_checkpoint, tmp_path, capsys):
+    from PIL import Image
+
+    from alibi_vit import patch_features
+    from alibi_vit.images import load_image, normalize
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    sizes = {"a": (70, 98), "b": (61, 90), "c": (57, 57)}  # (H, W): crops 70×98, 56×84, 56×56 (multiples of 14)
+    for name, (h, w) in sizes.items():
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / f"{name}.png")
+    out = tmp_path / "native.csv"
+    assert run_channels(["--model", "vit_small_patch14_reg4_dinov2", *_model_args(), "--checkpoint",
+                         str(planted_checkpoint), "--images", str(folder), "--ramps", "x", "radial",
+                         "--repeats", "2", "--out", str(out)]) == 0
+    assert "3 images at native size" in capsys.readouterr().out
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert {r["target"] for r in rows} == {"x", "radial"}
+    # the same numbers from each image's centre crop to a multiple of 14 px, probed at its own grid
+    model = create_backbone("vit_small_patch14_reg4_dinov2", checkpoint=planted_checkpoint, **ARCH).eval()
+    feats = []
+    for name, (h, w) in sizes.items():
+        image = load_image(folder / f"{name}.png", "dtype")
+        top, left = (h - h // 14 * 14) // 2, (w - w // 14 * 14) // 2
+        crop = image[:, top:top + h // 14 * 14, left:left + w // 14 * 14]
+        with torch.no_grad():
+            feats.append(patch_features(model, normalize(crop)[None]))
+    assert [tuple(f.shape[-2:]) for f in feats] == [(5, 7), (4, 6), (4, 4)]
+    for ramp in ("x", "radial"):
+        expected = np.mean([per_channel_r2(f, ramp, repeats=2, seed=7919 * b) for b, f in enumerate(feats)], axis=0)
+        got = {int(r["channel"]): float(r["r2"]) for r in rows if r["target"] == ramp}
+        np.testing.assert_allclose([got[c] for c in range(ARCH["embed_dim"])], expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="--ramps chooses the ramps of --target ramps"):
+        run_channels(["--model", "vit_small_patch14_reg4_dinov2", *_model_args(), "--images", str(folder),
+                      "--target", "xy", "--ramps", "x", "--out", str(tmp_path / "x.csv")])

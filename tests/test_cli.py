@@ -29,7 +29,6 @@ def error_of(capsys):
 
 
 @pytest.mark.parametrize("extra, expected", [
-    (["--size", "0"], "--size must be a positive number of pixels, got 0"),
     (["--size", "50", *TINY_ARGS], "--size 50 is not a multiple of the patch size 14 px; use e.g. 42 or 56"),
     (["--model-arg", "depth"], "--model-arg expects KEY=VALUE"),
     (["--model-arg", "=2"], "--model-arg expects KEY=VALUE"),

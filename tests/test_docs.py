@@ -96,3 +96,18 @@ def test_readme_commands_parse():
         words = shlex.split(line)[1:]
         _, parser = subcommand_parser(words[0])
         parser.parse_args(words[1:])  # argparse exits (SystemExit) on an unknown option
+
+
+def test_every_command_option_has_help_text():
+    from alibi_vit.cli.main import SUBCOMMANDS, subcommand_parser
+
+    def silent(parser, name):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for word, sub in action.choices.items():
+                    yield from silent(sub, f"{name} {word}")
+            elif not isinstance(action, argparse._HelpAction) and not (action.help or "").strip():
+                yield f"alibi-vit {name} {'/'.join(action.option_strings) or action.dest}"
+
+    missing = [option for command in SUBCOMMANDS for option in silent(subcommand_parser(command)[1], command)]
+    assert not missing, "options without help: " + ", ".join(missing)

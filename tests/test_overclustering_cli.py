@@ -20,6 +20,7 @@ TINY = dict(depth=2, embed_dim=48, num_heads=2)
 
 
 _run = partial(run_subcommand, overcluster_cli)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,11 @@ def test_overcluster_matches_direct_computation(voc, tmp_path, capsys):
     rows = list(csv.DictReader(open(out)))
     assert [int(r["k"]) for r in rows] == [21, 25]
     assert int(rows[0]["patches"]) == 6 * 4 * 4 and rows[0]["seeds"] == "0 3" and rows[0]["absent"] == "zero"
-    assert "IoU_background" in rows[0] and "mIoU" in capsys.readouterr().out
+    assert rows[0]["recipe"] == "leopart" and rows[0]["mask_size"] == "100"
+    assert "IoU_background" in rows[0] and "recipe leopart" in capsys.readouterr().out
+    first_line = (tmp_path / "oc.md").read_text().splitlines()[0]
+    assert "does not compare with Leopart's OverClustering tables" in first_line
+    assert "56 px (the reference: 448)" in first_line and "6 images (the reference: 1440)" in first_line
 
     # the same numbers from the pieces: VOC val images stretched to 56 px, RASA-folded features, masks at 100 px
     dm = overcluster_cli.voc_datamodule(voc, size=56, batch_size=6, num_workers=0)
@@ -57,6 +62,43 @@ def test_overcluster_matches_direct_computation(voc, tmp_path, capsys):
         assert float(row["mIoU"]) == pytest.approx(expected.miou, abs=1e-6)
         assert float(row["mIoU_std"]) == pytest.approx(expected.std, abs=1e-6)
         assert [float(v) for v in row["mIoU_per_seed"].split()] == pytest.approx(expected.mious.tolist(), abs=1e-6)
+
+
+def test_comparison_names_the_reference_table_or_the_departures():
+    from alibi_vit.analysis.overclustering import RECIPES
+
+    leopart = {"size": 448, "mask_size": 100, "seeds": (0, 1, 2, 3, 4)}
+    assert overcluster_cli.comparison(RECIPES["leopart"], leopart, 1440, 2012, "val") == \
+        "compares with Leopart's OverClustering tables (Ziegler & Asano 2022, VOC12 val)"
+    rasa = {"size": 224, "mask_size": 224, "seeds": (1,)}
+    assert overcluster_cli.comparison(RECIPES["rasa"], rasa, 640, 2012, "val").startswith("compares with the RASA")
+    text = overcluster_cli.comparison(RECIPES["rasa"], {**rasa, "seeds": (0, 1)}, 320, 2007, "val")
+    assert text.startswith("does not compare with the RASA") and "320 images (the reference: 640)" in text
+    assert "0 1 as seeds (the reference: 1)" in text and "VOC2007 val split (the reference: VOC2012 val)" in text
+    # kmeans++ compares with nothing, whatever its inputs
+    assert overcluster_cli.comparison(RECIPES["kmeans++"], leopart, 10, 2012, "val") == \
+        "compares with no reference table (not the references' k-means)"
+
+
+def test_rasa_recipe_clusters_pixels_of_the_first_images(voc, tmp_path):
+    torch.manual_seed(0)
+    model = create_backbone("vit_small_patch14_reg4_dinov2", **TINY).eval()
+    path = tmp_path / "tiny.pth"
+    torch.save(model.state_dict(), path)
+    out = tmp_path / "rasa.csv"
+    assert _run(["--backbone", "vit_small_patch14_reg4_dinov2", "--checkpoint", str(path), *KWARGS,
+                 "--data.root", str(voc), "--recipe", "rasa", "--k", "21", "--size", "56", "--max-images", "4",
+                 "--num-workers", "0", "--out", str(out)]) == 0
+    (row,) = list(csv.DictReader(open(out)))
+    # the recipe's defaults: one seed (1), masks at the image size, every pixel of the first 4 images clustered
+    assert (row["recipe"], row["seeds"], row["mask_size"], row["images"]) == ("rasa", "1", "56", "4")
+    assert int(row["points"]) == 4 * 56 * 56
+    dm = overcluster_cli.voc_datamodule(voc, size=56, batch_size=4, num_workers=0)
+    batch = next(iter(dm.val_dataloader()))
+    with torch.no_grad():
+        maps = patch_features(model, batch["image"]).permute(0, 2, 3, 1).half().numpy()
+    expected = overclustering_seeds(maps, batch["label"].numpy(), 21, 21, recipe="rasa")
+    assert float(row["mIoU"]) == pytest.approx(expected.miou, abs=1e-6)
 
 
 def test_overcluster_bad_k(voc, tmp_path):
@@ -101,8 +143,9 @@ def test_comparison_table(voc, tmp_path):
                  "--r2-images", "noise", "--r2-size", "112", "--probe-checkpoint", f"dinov2={tmp_path / 'probe.ckpt'}",
                  "--out", str(out)]) == 0
     lines = (tmp_path / "cmp.md").read_text().splitlines()
-    assert lines[0] == "| backbone | weights | R² noise | OC k=21 | OC k=30 | probe mIoU |"
-    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert lines[0].startswith("OverClustering recipe `leopart` (6 images at 56 px)")
+    assert lines[2] == "| backbone | weights | R² noise | OC k=21 | OC k=30 | probe mIoU |"
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[4:]]
     assert [c[0] for c in cells] == ["dinov2", "dinov2+rasa"]
     # R² column: the positional probe of the plain backbone on the same noise images
     images = torch.stack([normalize(img) for _, img in load_image_set("noise", 112)])

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from alibi_vit.images import load_image, normalize
+from alibi_vit.images import IMAGENET_MEAN, load_image
 from datamodules.demo_voc import write_demo_voc
 from datamodules.rasa import RASAAugmentation, RASADataModule, SeededSampler
 
@@ -23,8 +23,13 @@ def _asymmetric_image(path: Path, size: int = 32) -> Path:
     return path
 
 
+def _reference_normalize(image: torch.Tensor) -> torch.Tensor:
+    """The reference's training normalisation: ImageNet mean, std (0.229, 0.224, 0.255)."""
+    return (image - torch.tensor(IMAGENET_MEAN).view(3, 1, 1)) / torch.tensor([0.229, 0.224, 0.255]).view(3, 1, 1)
+
+
 def _views(image: torch.Tensor) -> dict[str, torch.Tensor]:
-    base = normalize(image)
+    base = _reference_normalize(image)
     return {"none": base, "hflip": base.flip(-1), "vflip": base.flip(-2), "both": base.flip(-1).flip(-2)}
 
 
@@ -65,7 +70,7 @@ def test_vertical_flip_appears_in_a_batch_at_the_seeded_step(tmp_path):
 
 def test_rotations_and_crops(tmp_path):
     image = load_image(_asymmetric_image(tmp_path / "a.png"), "dtype")
-    base = normalize(image)
+    base = _reference_normalize(image)
     rot = RASAAugmentation(32, crop_scale=(1.0, 1.0), colour=False, flips=False, rotations=True)
     found = set()
     for seed in range(40):
@@ -89,11 +94,53 @@ def test_voc_default_epochs_and_validation(tmp_path):
     dm.setup("fit")
     assert len(dm.train_set) == 7  # VOC train's images (the reference: 1,464)
     loader = dm.train_dataloader()
-    assert len(loader) == 3  # 7 // 2: the last partial batch is dropped, as 1,464 // 32 = 45 in the reference
+    # the reference's loader: list order, the last partial batch kept (1,464 images in batches of 32: 46 steps)
+    assert len(loader) == 4
     batches = list(loader)
-    assert len(batches) == 3 and all(b.shape == (2, 3, 28, 28) for b in batches)
+    assert [b.shape[0] for b in batches] == [2, 2, 2, 1] and all(b.shape[1:] == (3, 28, 28) for b in batches)
+    for epoch in (0, 1):
+        loader.sampler.set_epoch(epoch)
+        order, seeds = zip(*loader.sampler.epoch_indices())
+        assert list(order) == list(range(7))  # not shuffled: every epoch the same order ...
+        if epoch == 0:
+            first_seeds = seeds
+    assert seeds != first_seeds  # ... with fresh augmentations
+    # validation: VOC val at the reference's 224 px, whatever the training crop size
     val = next(iter(dm.val_dataloader()))
-    assert val["image"].shape == (2, 3, 28, 28) and val["label"].shape == (2, 28, 28)
+    assert val["image"].shape == (2, 3, 224, 224) and val["label"].shape == (2, 224, 224)
+    shuffled = RASADataModule(str(root), image_size=28, batch_size=2, num_workers=0, shuffle=True, drop_last=True)
+    shuffled.setup("fit")
+    assert len(shuffled.train_dataloader()) == 3
+    order = [index for index, _ in shuffled.train_dataloader().sampler.epoch_indices()]
+    assert sorted(order) == list(range(7)) and order != list(range(7))
+
+
+def test_reference_colour_blur_rotation_and_normalisation(tmp_path, monkeypatch):
+    import torchvision.transforms as T
+    import torchvision.transforms.functional as TF
+
+    image = load_image(_asymmetric_image(tmp_path / "a.png"), "dtype")
+    # the reference's training normalisation: ImageNet mean, std (0.229, 0.224, 0.255) — blue 0.255, not 0.225
+    plain = RASAAugmentation(32, crop_scale=(1.0, 1.0), colour=False, flips=False, rotations=False)
+    torch.testing.assert_close(plain(image, 0), _reference_normalize(image))
+    # RandomRotate90(p=0.5) draws k in 0..3 half of the time: 1/2 + 1/2 · 1/4 = 62.5 % stay unrotated
+    rot = RASAAugmentation(32, crop_scale=(1.0, 1.0), colour=False, flips=False, rotations=True)
+    base = plain(image, 0)
+    unrotated = sum(torch.allclose(rot(image, seed), base) for seed in range(400)) / 400
+    assert abs(unrotated - 0.625) < 0.07  # binomial standard deviation 0.024
+    # colour jitter with the reference's strengths, blur kernels 3, 5, 7 with σ in 0.1–2, each half of the time
+    jitters, blurs = [], []
+    real_jitter, real_blur = T.ColorJitter, TF.gaussian_blur
+    monkeypatch.setattr(T, "ColorJitter", lambda *a: jitters.append(a) or real_jitter(*a))
+    monkeypatch.setattr(TF, "gaussian_blur", lambda img, k, s: blurs.append((k, s)) or real_blur(img, k, s))
+    colour = RASAAugmentation(32, crop_scale=(1.0, 1.0), flips=False, rotations=False)
+    for seed in range(60):
+        colour(image, seed)
+    assert set(jitters) == {(0.32, 0.32, 0.32, 0.08)}
+    assert {k[0] for k, _ in blurs} == {3, 5, 7} and all(k[0] == k[1] for k, _ in blurs)
+    assert all(0.1 <= s[0] <= 2.0 and s[0] == s[1] for _, s in blurs) and 15 < len(blurs) < 45
+    with pytest.raises(ValueError, match="blur_kernel must be"):
+        RASAAugmentation(32, blur_kernel=(2, 6))
 
 
 def test_coco_option_draws_the_reference_epoch(tmp_path):

@@ -256,3 +256,16 @@ def test_distillation_checkpoint_is_refused_by_name(voc_root, tmp_path, capsys):
     torch.save(module.student.state_dict(), state)
     assert main(["robustness", "--checkpoint", str(state), "--data.root", str(voc_root)]) == 2
     assert "is not a Lightning checkpoint" in capsys.readouterr().err
+
+
+def test_a_roll_that_wraps_to_none_is_refused_and_a_wrapped_roll_is_reported_as_such(voc_root, tmp_path, capsys):
+    ckpt = _tiny_probe_checkpoint(tmp_path / "probe.ckpt", voc_root)  # 28 px images: a 2×2 patch grid
+    common = ["robustness", "--checkpoint", str(ckpt), "--num-workers", "0", "--transforms", "none", "roll"]
+    assert main([*common, "--roll", "4", "6", "--csv", str(tmp_path / "none.csv")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--roll 4 6 wraps around the 2×2 patch grid to no roll at all" in err
+    assert not (tmp_path / "none.csv").exists()
+    assert main([*common, "--roll", "3", "4", "--csv", str(tmp_path / "wrapped.csv")]) == 0
+    assert "--roll 3 4 on the 2×2 patch grid is a roll of 1 0 patches" in capsys.readouterr().err
+    with open(tmp_path / "wrapped.csv") as f:
+        assert [row["roll_patches"] for row in csv.DictReader(f)] == ["1 0"]

@@ -227,3 +227,86 @@ def test_unreadable_ckpt_path_is_one_line(tmp_path, monkeypatch, capsys):
                           (tmp_path / "missing.ckpt", "does not exist")):
         assert main(["fit", "--config", DEMO, f"--run_dir={tmp_path / 'run'}", *FAST, f"--ckpt_path={path}"]) == 2
         assert f"--ckpt_path {path} {problem}" in _one_line_error(capsys)
+
+
+def test_checkpoint_with_other_model_settings_is_refused_naming_them(tmp_path, monkeypatch, capsys, straight):
+    """Lightning alone restores the checkpoint's model settings over the config and the command line."""
+    monkeypatch.chdir(tmp_path)
+    ckpt = straight[0] / "checkpoints" / "last.ckpt"
+    args = ["fit", "--config", DEMO, *FAST, f"--ckpt_path={ckpt}", "--model.blank_channels=[]",
+            f"--trainer.max_steps={STEPS + 1}"]
+    assert main([*args, f"--run_dir={tmp_path / 'refused'}"]) == 2
+    err = _one_line_error(capsys)
+    assert "model.blank_channels: [5, 11, 23, 47] in the checkpoint, [] given" in err and "--ckpt_hparams" in err
+    assert not (tmp_path / "refused").exists()
+    for choice, channels in (("config", []), ("checkpoint", [5, 11, 23, 47])):
+        assert main([*args, f"--run_dir={tmp_path / choice}", f"--ckpt_hparams={choice}"]) == 0
+        resumed = load(tmp_path / choice / "checkpoints" / "last.ckpt")
+        assert resumed["global_step"] == STEPS + 1 and resumed["hyper_parameters"]["blank_channels"] == channels
+    # A checkpoint of another kind of job names both classes.
+    assert main(["fit", "--config", str(ROOT / "configs" / "probe_demo.yaml"), f"--ckpt_path={ckpt}"]) == 2
+    err = _one_line_error(capsys)
+    assert "DistillationModule" in err and "SegmentationProbeModule" in err
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--model.lrr=1"], "--model.lrr: no such option of lit_modules.distillation.DistillationModule"),
+    (["--trainer.precision=bogus"], "--trainer.precision: 'bogus' is not accepted; expected one of"),
+    (["--data.batch_size=x"], "--data.batch_size: expected an int, got 'x'"),
+    (["--trainr.max_steps=3"], "unrecognized arguments: --trainr.max_steps=3"),
+    (["--model=Foo"], "--model: 'Foo' is not a class"),
+])
+def test_command_line_typos_are_one_line_without_the_usage(tmp_path, monkeypatch, capsys, arguments, message):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", "--config", DEMO, *arguments])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lightning fit: error: ") and "\n" not in err and message in err, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_config_file_mistakes_are_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("trainer:\n  max_steps: [1\n")
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(Path(DEMO).read_text().replace("    lr: 1.0e-3", "    lrr: 1.0e-3"))
+    for config, message in ((broken, "(line 2, column 14)"), (typo, "--model.lrr: no such option"),
+                            (tmp_path / "missing.yaml", "File does not exist")):
+        with pytest.raises(SystemExit) as stop:
+            main(["fit", "--config", str(config)])
+        err = capsys.readouterr().err.strip()
+        assert stop.value.code == 2 and "\n" not in err and message in err, err
+
+
+def test_runs_that_cannot_start_are_one_line_and_leave_no_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("")
+    cases = [(["--data.image_size=50"], "image size 50×50 px is not a multiple of the patch size 14×14"),
+             (["--data.batch_size=1000"], "the training set has 88 images, fewer than one global batch of 1000"),
+             ([f"--run_dir={tmp_path / 'a_file' / 'run'}"], f"{tmp_path / 'a_file' / 'run'}: Not a directory"),
+             (["--trainer.devices=0"], "cannot set up the trainer"),
+             ([f"--ckpt_path={tmp_path}"], f"--ckpt_path {tmp_path} is a folder")]
+    try:
+        (Path("/sys") / "alibi-vit-test").mkdir()
+    except OSError:  # as here, even for root: an unwritable --run_dir
+        cases.append((["--run_dir=/sys/alibi-vit-test"], "/sys/alibi-vit-test: Operation not permitted"))
+    else:
+        (Path("/sys") / "alibi-vit-test").rmdir()
+    for arguments, message in cases:
+        run_dir = [] if any(a.startswith("--run_dir") for a in arguments) else [f"--run_dir={tmp_path / 'run'}"]
+        assert main(["fit", "--config", DEMO, *FAST, *run_dir, *arguments]) == 2, arguments
+        err = _one_line_error(capsys)
+        assert message in err and "GPU" not in err, err  # the demo asks for the CPU: no GPU hint
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+def test_lightning_adverts_and_its_own_deprecation_warning_are_not_shown(tmp_path, monkeypatch, caplog, recwarn):
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level("INFO")
+    assert main(["fit", "--config", DEMO, f"--run_dir={tmp_path / 'run'}", "--trainer.max_steps=2",
+                 "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false"]) == 0
+    assert any("GPU available" in r.getMessage() for r in caplog.records)  # Lightning's log is still there
+    assert not [r for r in caplog.records if "Tip:" in r.getMessage()]
+    assert not [w for w in recwarn if "LeafSpec" in str(w.message)]

@@ -20,6 +20,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from pathlib import Path
+
+    from lit_modules.export import FORMATS  # a light module; export_student's imports are the slow ones
+
+    from ..files import require_file, require_writable_folder
+
+    # Checked before the (slow) import of the training code: a wrong path is said at once.
+    require_file(args.checkpoint)
+    if Path(args.out).suffix not in FORMATS:
+        raise ValueError(f"--out {args.out} must end in one of {', '.join(FORMATS)}")
+    require_writable_folder(Path(args.out).parent)
+
     from lit_modules.export import export_student
 
     out = export_student(args.checkpoint, args.out, verify=args.verify)

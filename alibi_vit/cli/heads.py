@@ -16,16 +16,18 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .options import add_image_arguments, add_model_arguments
+    from .options import add_figure_arguments, add_image_arguments, add_model_arguments, at_least
 
     add_model_arguments(parser)
     add_image_arguments(parser, default_size=224)
     parser.add_argument("--threshold", type=float, default=0.9,
                         help="a head is a sink when its prefix mass is at least this (default %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=4,
+    parser.add_argument("--batch-size", type=at_least(1), default=4,
                         help="images per forward pass (the attention of one layer at a time is held in memory)")
     parser.add_argument("--out", type=Path, default=Path("heads.csv"),
-                        help="CSV to write (default %(default)s); the figure goes next to it as <out>.png")
+                        help="CSV to write (default %(default)s); the figure goes next to it as <out>.png "
+                             "(or .svg/.pdf: --figure-format)")
+    add_figure_arguments(parser)
 
 
 def run(args) -> int:
@@ -33,7 +35,7 @@ def run(args) -> int:
 
     from ..analysis.heads import DEFAULT_LOCAL, DEFAULT_SELF, head_statistics, plot_head_maps
     from ..images import load_image_set, normalize, resize_center_crop
-    from .options import build_models, check_image_size, weights_of, write_csv
+    from .options import build_models, check_image_size, figure_path, weights_of, write_csv
 
     check_image_size(args.size)
     if not 0.0 < args.threshold <= 1.0:
@@ -67,8 +69,8 @@ def run(args) -> int:
     print(f"wrote {args.out}")
     fig = plot_head_maps(stats, sink=args.threshold)
     fig.suptitle(f"attention heads on {args.images} ({len(images)} images at {args.size} px)", fontsize="medium")
-    path = args.out.with_suffix(".png")
-    fig.savefig(path, dpi=120)
+    path = figure_path(args.out, args)
+    fig.savefig(path, dpi=args.dpi)
     print(f"wrote {path}")
     return 0
 

@@ -74,15 +74,25 @@ def format_error(err: BaseException) -> str:
     return "\n".join(lines)
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, ``alibi-vit COMMAND: error: ...``, without the usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
+
+
 def subcommand_parser(command: str):
     """The module of subcommand ``command`` and its argument parser (also what the docs' option pages show)."""
     module = importlib.import_module(f"{__package__}.{command}")
-    parser = argparse.ArgumentParser(prog=f"alibi-vit {command}", description=SUBCOMMANDS[command])
+    parser = OneLineErrorParser(prog=f"alibi-vit {command}", description=SUBCOMMANDS[command])
     module.add_arguments(parser)
     return module, parser
 
 
 def main(argv=None) -> int:
+    from ..runtime import prefer_passive_threads_when_busy
+
+    prefer_passive_threads_when_busy()
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     # Parse the subcommand first, then let its module add its own options.

@@ -14,8 +14,38 @@ from ..images import BUNDLED_SETS, load_image_set
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["add_image_arguments", "add_model_arguments", "build_models", "check_image_size", "checkpoints_by_model",
-           "images_from_args", "model_features", "parse_model_args", "weights_of", "write_csv"]
+__all__ = ["FIGURE_FORMATS", "add_figure_arguments", "add_image_arguments", "add_model_arguments", "at_least",
+           "build_models", "check_image_size", "checkpoints_by_model", "figure_path", "fraction", "images_from_args",
+           "model_features", "parse_model_args", "weights_of", "write_csv"]
+
+FIGURE_FORMATS = ("png", "svg", "pdf")
+
+
+def at_least(minimum: int):
+    """An argparse ``type``: a whole number of at least ``minimum``, so a 0 is refused while parsing, before any
+    work or heavy import, with a message naming the bound."""
+    def whole_number(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    whole_number.__name__ = f"whole number >= {minimum}"
+    return whole_number
+
+
+def fraction(text: str) -> float:
+    """An argparse ``type``: a number strictly between 0 and 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (exclusive), got {value:g}")
+    return value
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,14 +69,29 @@ def add_image_arguments(parser: argparse.ArgumentParser, default_size: int) -> N
     parser.add_argument("--images", required=True, metavar="DIR|FILE|SET|noise",
                         help=f"a folder of images (searched recursively), one image file, a bundled set "
                              f"({', '.join(BUNDLED_SETS)}) or 'noise'")
-    parser.add_argument("--noise-count", type=int, default=8, help="number of images for --images noise")
-    parser.add_argument("--size", type=int, default=default_size,
+    parser.add_argument("--noise-count", type=at_least(1), default=8, help="number of images for --images noise")
+    parser.add_argument("--size", type=at_least(1), default=default_size,
                         help="images are resized and centre-cropped to SIZE px (default %(default)s)")
     parser.add_argument("--intensity", choices=INTENSITY_MODES, default="auto",
                         help="how pixel values become [0, 1]: 'dtype' divides integers by their type's maximum "
                              "(255, 65535); 'minmax' maps the image's min/max to 0/1; 'percentile' maps its "
                              f"{PERCENTILES[0]:g}th/{PERCENTILES[1]:g}th percentiles to 0/1 and clips; 'auto' "
                              "(default): percentile for single-channel images, dtype for colour ones")
+
+
+def add_figure_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--figure-format", choices=FIGURE_FORMATS, default="png",
+                        help="file format of the plots: png (default), or svg/pdf (vector: sharp at any size, "
+                             "editable in Inkscape or Illustrator)")
+    parser.add_argument("--dpi", type=at_least(10), default=150,
+                        help="resolution of png plots in dots per inch (default %(default)s; svg/pdf are vector)")
+
+
+def figure_path(path, args) -> "Path":
+    """``path`` with the suffix of ``--figure-format``."""
+    from pathlib import Path
+
+    return Path(path).with_suffix(f".{args.figure_format}")
 
 
 def images_from_args(args) -> list[tuple[str, torch.Tensor]]:
@@ -98,8 +143,9 @@ def check_image_size(size: int, model=None) -> None:
     if model is not None:
         ph, pw = model.patch_embed.patch_size
         if size % ph or size % pw:
-            lower, upper = max(size // ph, 1) * ph, (size // ph + 1) * ph
-            raise ValueError(f"--size {size} is not a multiple of the patch size {ph} px; use e.g. {lower} or {upper}")
+            lower, upper = (size // ph) * ph, (size // ph + 1) * ph
+            near = f"{lower} or {upper}" if lower else f"{upper}"
+            raise ValueError(f"--size {size} is not a multiple of the patch size {ph} px; use e.g. {near}")
 
 
 def build_models(args):
@@ -120,7 +166,7 @@ def build_models(args):
         checkpoint = checkpoints.get(name)
         model = create_backbone(name, pretrained=args.pretrained and checkpoint is None, checkpoint=checkpoint,
                                 **model_kwargs)
-        if hasattr(args, "size"):
+        if getattr(args, "size", None) is not None:  # None: native sizes, cropped to the patch size
             check_image_size(args.size, model)
         if checkpoint is None and not args.pretrained:
             print(f"note: {name} is randomly initialised (give --pretrained or --checkpoint for real features)",

@@ -1,14 +1,25 @@
 """``alibi-vit overcluster``: OverClustering mIoU of frozen backbones on Pascal VOC (docs/method.md §9).
 
-For each backbone, every image of the VOC split (``val`` by default: 1,449 images for VOC12) is
-resized to ``--size`` px (stretched, as the segmentation probe does) and its final-normed patch
-features are kept as float16; its label mask is resized (nearest) to ``--mask-size`` px (100:
-Leopart's protocol). The features of all patches are standardised per channel and reduced to 50
-dimensions with PCA; k-means (scikit-learn, 5 restarts, ≤ 50 iterations) with each ``--k`` and
-each of ``--seeds`` (5 by default) runs over them; each image's cluster map is nearest-upsampled
-to the mask size and the non-ignore pixels are scored: clusters mapped to classes (Hungarian for
-k = 21, many-to-one above), mIoU from one confusion matrix over the whole set, classes absent
-from labels and predictions counted as IoU 0 (Leopart; ``--absent skip`` leaves them out).
+``--recipe`` picks the protocol (:data:`alibi_vit.analysis.overclustering.RECIPES`), and with it the
+defaults of ``--size``, ``--mask-size``, ``--seeds`` and ``--max-images``, so that a run compares with
+one reference's table:
+
+- ``leopart`` (default): Leopart's (Ziegler & Asano 2022): images at 448 px, the first 1,440 val
+  images (Leopart's loader drops the last partial batch of 60), patch features standardised, PCA to
+  50 dimensions, faiss k-means (random initialisation, 100 iterations, best of 5, 256 points per
+  centroid) for seeds 0–4, cluster maps nearest-upsampled to the 100×100 masks.
+- ``rasa``: the RASA reference's: images at 224 px, the first 640 val images (its README's tables:
+  40 batches of 16), features bilinearly upsampled to the 224×224 masks and every pixel clustered
+  (faiss, 50 iterations, best of 5, seed 1).
+- ``kmeans++``: this project's earlier recipe (scikit-learn k-means++); its numbers compare with no
+  reference table.
+
+For each backbone, every image of the VOC split is resized to ``--size`` px (stretched, as the
+segmentation probe does) and its final-normed patch features are kept as float16; its label mask
+is resized (nearest) to ``--mask-size`` px. The features are reduced once per backbone; k-means
+with each ``--k`` and each seed runs over them; clusters are mapped to classes (Hungarian for k =
+21, many-to-one above), mIoU from one confusion matrix over the whole set, classes absent from
+labels and predictions counted as IoU 0 (Leopart; ``--absent skip`` leaves them out).
 
 Prints a table (backbone × k, mean ± standard deviation over the seeds) and writes a CSV with the
 per-seed mIoU and the per-class IoU (mean over the seeds). A ``--checkpoint`` that
@@ -32,8 +43,10 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["add_arguments", "backbone_features", "build_backbones", "markdown_table", "parse_backbones",
-           "positional_r2_of", "probe_miou", "run", "voc_datamodule", "voc_patch_features"]
+from ..analysis.overclustering import RECIPES
+
+__all__ = ["add_arguments", "backbone_features", "build_backbones", "comparison", "markdown_table", "parse_backbones",
+           "positional_r2_of", "probe_miou", "recipe_settings", "run", "voc_datamodule", "voc_patch_features"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,24 +63,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="architecture override for every backbone, e.g. depth=2")
     parser.add_argument("--data.root", dest="data_root", required=True, metavar="VOC_ROOT",
                         help="folder holding VOCdevkit/VOC2012 (or that folder itself)")
-    parser.add_argument("--year", type=int, default=2012, choices=(2007, 2012))
+    parser.add_argument("--year", type=int, default=2012, choices=(2007, 2012), help="Pascal VOC year (default 2012)")
     parser.add_argument("--split", default="val", help="ImageSets/Segmentation split (default val)")
-    parser.add_argument("--size", type=int, default=518,
-                        help="images are resized to SIZE×SIZE px (default 518: 37×37 patches of 14 px; the "
-                             "RASA reference used 224)")
+    parser.add_argument("--recipe", choices=list(RECIPES), default="leopart",
+                        help="the protocol: leopart (default: Leopart's faiss k-means, 448 px, masks at 100 px), "
+                             "rasa (the RASA reference's: pixels of upsampled features, 224 px, first 640 images) "
+                             "or kmeans++ (this project's earlier scikit-learn k-means++: comparable with no "
+                             "reference table)")
+    parser.add_argument("--size", type=int, default=None,
+                        help="images are resized to SIZE×SIZE px (default: the recipe's, leopart/kmeans++ 448, "
+                             "rasa 224)")
     parser.add_argument("--k", type=int, nargs="+", default=[21, 100, 300],
                         help="k-means clusters (default 21 100 300)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4],
-                        help="k-means seeds; the table gives the mean and standard deviation (default 0 1 2 3 4)")
-    parser.add_argument("--mask-size", type=int, default=100,
-                        help="label masks are resized (nearest) to SIZE×SIZE px and scored per pixel (default 100, "
-                             "Leopart's protocol)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="k-means seeds; the table gives the mean and standard deviation (default: the "
+                             "recipe's, leopart/kmeans++ 0 1 2 3 4, rasa 1)")
+    parser.add_argument("--mask-size", type=int, default=None,
+                        help="label masks are resized (nearest) to SIZE×SIZE px and scored per pixel (default: the "
+                             "recipe's, leopart/kmeans++ 100, rasa the image size)")
     parser.add_argument("--absent", choices=("zero", "skip"), default="zero",
                         help="a class absent from labels and predictions: IoU 0 in the mean (zero, Leopart's "
                              "PredsmIoU; default) or left out (skip)")
-    parser.add_argument("--max-images", type=int, default=None, help="only the first N images of the split")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--num-workers", type=int, default=4)
+    parser.add_argument("--max-images", type=_image_count, default=None, metavar="N|all",
+                        help="only the first N images of the split (default: the recipe's, leopart 1440, rasa 640, "
+                             "kmeans++ all)")
+    parser.add_argument("--batch-size", type=int, default=16, help="images per forward pass")
+    parser.add_argument("--num-workers", type=int, default=4, help="data-loading processes (0: in this process)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--r2-images", nargs="*", default=[], metavar="SET",
                         help="also the positional probe's (x, y) R² on these image sets (e.g. textures noise; any "
@@ -78,6 +99,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "images joins row LABEL of the Markdown table (repeatable)")
     parser.add_argument("--out", type=Path, default=Path("overclustering.csv"),
                         help="CSV file to write; the Markdown table goes next to it (.md)")
+
+
+def _image_count(text: str):
+    if text == "all":
+        return "all"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of images or 'all', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--max-images must be at least 1, got {value}")
+    return value
+
+
+def recipe_settings(args) -> dict:
+    """The recipe's inputs, each overridden where the command line gives one: size, mask size, seeds, images."""
+    recipe = RECIPES[args.recipe]
+    size = recipe.image_size if args.size is None else args.size
+    max_images = recipe.max_images if args.max_images is None else args.max_images
+    mask_size = args.mask_size if args.mask_size is not None else recipe.mask_size or size
+    return {"size": size, "mask_size": mask_size,
+            "seeds": tuple(recipe.seeds if args.seeds is None else args.seeds),
+            "max_images": None if max_images == "all" else max_images}
+
+
+def comparison(recipe, settings: dict, images: int, year: int, split: str) -> str:
+    """Which reference table the run compares with, or how its inputs depart from that reference's."""
+    expected_images = recipe.max_images or (1449 if (year, split) == (2012, "val") else images)
+    departures = [f"{got} {what} (the reference: {want})" for what, got, want in (
+        ("px", settings["size"], recipe.image_size),
+        ("px masks", settings["mask_size"], recipe.mask_size or recipe.image_size),
+        ("images", images, expected_images),
+        ("as seeds", " ".join(map(str, settings["seeds"])), " ".join(map(str, recipe.seeds))),
+        ("split", f"VOC{year} {split}", "VOC2012 val")) if got != want]
+    if recipe.name == "kmeans++" or not departures:
+        return f"compares with {recipe.compares_with}"
+    return f"does not compare with {recipe.compares_with}: " + ", ".join(departures)
 
 
 def parse_backbones(items) -> list[tuple[str, str]]:
@@ -231,15 +289,24 @@ def run(args) -> int:
 
     from datamodules.segmentation import VOC_CLASSES
 
-    from ..analysis.overclustering import overclustering_seeds
+    from ..analysis.overclustering import reduce_for_overclustering, score_overclustering
     from .options import check_image_size, checkpoints_by_model
 
-    check_image_size(args.size)
-    if args.mask_size < 1:
-        raise ValueError(f"--mask-size must be positive, got {args.mask_size}")
+    recipe = RECIPES[args.recipe]
+    settings = recipe_settings(args)
+    check_image_size(settings["size"])
+    if settings["mask_size"] < 1:
+        raise ValueError(f"--mask-size must be positive, got {settings['mask_size']}")
     for k in args.k:
         if k < len(VOC_CLASSES):
             raise ValueError(f"--k {k} is fewer than VOC's {len(VOC_CLASSES)} classes; OverClustering needs k >= 21")
+    if recipe.kmeans == "faiss":
+        try:
+            import faiss  # noqa: F401
+        except ImportError:
+            raise ValueError(f"--recipe {recipe.name} runs faiss's k-means, which is not installed: pip install "
+                             "faiss-cpu (or --recipe kmeans++, which needs no faiss but compares with no "
+                             "reference table)") from None
     labels_given = [label for label, _ in parse_backbones(args.backbones)]
     probes = checkpoints_by_model(args.probe_checkpoint, labels_given) if args.probe_checkpoint else {}
     for path in probes.values():
@@ -247,33 +314,43 @@ def run(args) -> int:
             raise FileNotFoundError(f"probe checkpoint {path} does not exist")
     args.out.parent.mkdir(parents=True, exist_ok=True)  # an unusable --out fails now, not after the work
     # the dataset is checked (layout, files) before any model is built or downloaded
-    datamodule = voc_datamodule(args.data_root, args.year, args.split, args.size, args.batch_size, args.num_workers)
+    size = settings["size"]
+    datamodule = voc_datamodule(args.data_root, args.year, args.split, size, args.batch_size, args.num_workers)
     rows = []
     for label, name, weights, model in build_backbones(args):
         start = time.perf_counter()
-        features, masks = voc_patch_features(model, datamodule, args.max_images, args.mask_size)
+        features, masks = voc_patch_features(model, datamodule, settings["max_images"], settings["mask_size"])
         seconds = time.perf_counter() - start
         extra = {f"r2_{s}": positional_r2_of(model, s, args.r2_size) for s in args.r2_images}
         if label in probes:
             device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-            extra["probe_mIoU"] = probe_miou(probes[label], args.data_root, args.year, args.split, args.size,
+            extra["probe_mIoU"] = probe_miou(probes[label], args.data_root, args.year, args.split, size,
                                              args.batch_size, args.num_workers, device)
         del model
+        start = time.perf_counter()
+        reduced = reduce_for_overclustering(features, masks, len(VOC_CLASSES), recipe)
+        reduce_seconds = time.perf_counter() - start
         for k in args.k:
             t0 = time.perf_counter()
-            result = overclustering_seeds(features, masks, k, len(VOC_CLASSES), seeds=args.seeds, absent=args.absent)
-            rows.append({"backbone": label, "model": name, "weights": weights, "k": k, "mIoU": result.miou,
-                         "mIoU_std": result.std, "mIoU_min": result.min, "mIoU_max": result.max,
-                         "mIoU_per_seed": " ".join(f"{m:.6f}" for m in result.mious),
+            result = score_overclustering(reduced, k, settings["seeds"], absent=args.absent)
+            rows.append({"backbone": label, "model": name, "weights": weights, "recipe": recipe.name, "k": k,
+                         "mIoU": result.miou, "mIoU_std": result.std, "mIoU_min": result.min,
+                         "mIoU_max": result.max, "mIoU_per_seed": " ".join(f"{m:.6f}" for m in result.mious),
                          "seeds": " ".join(map(str, result.seeds)), "absent": args.absent, **extra,
-                         "images": features.shape[0], "patches": features.shape[0] * features.shape[1] * features.shape[2],
-                         "scored_pixels": int((masks != 255).sum()), "feature_s": round(seconds, 2),
+                         "size": size, "mask_size": settings["mask_size"], "images": features.shape[0],
+                         "patches": features.shape[0] * features.shape[1] * features.shape[2],
+                         "points": reduced.points.shape[0], "scored_pixels": int((masks != 255).sum()),
+                         "feature_s": round(seconds, 2), "reduce_s": round(reduce_seconds, 2),
                          "kmeans_s": round(time.perf_counter() - t0, 2),
+                         "comparison": comparison(recipe, settings, features.shape[0], args.year, args.split),
                          **{f"IoU_{c}": v for c, v in zip(VOC_CLASSES, result.per_class_iou)}})
     table = markdown_table(rows, args.k, args.r2_images, bool(probes))
-    print(f"OverClustering mIoU on VOC{args.year} {args.split}, {args.size} px, {rows[0]['patches']} patches, "
-          f"{rows[0]['scored_pixels']} pixels scored at {args.mask_size}×{args.mask_size}; mean ± std over seeds "
-          f"{' '.join(map(str, args.seeds))}:\n")
+    first = rows[0]
+    what = "pixels" if recipe.pixels else "patches"
+    print(f"OverClustering mIoU, recipe {recipe.name}, on VOC{args.year} {args.split}: {first['images']} images at "
+          f"{size} px, {first['points']} {what} clustered, {first['scored_pixels']} pixels scored at "
+          f"{settings['mask_size']}×{settings['mask_size']}; mean ± std over seeds "
+          f"{' '.join(map(str, settings['seeds']))}. The run {first['comparison']}.\n")
     print(table)
     fields = list(dict.fromkeys(key for r in rows for key in r))
     with open(args.out, "w", newline="") as f:
@@ -281,6 +358,7 @@ def run(args) -> int:
         writer.writeheader()
         writer.writerows(rows)
     markdown = args.out.with_suffix(".md")
-    markdown.write_text(table + "\n")
+    markdown.write_text(f"OverClustering recipe `{recipe.name}` ({first['images']} images at {size} px); the run "
+                        f"{first['comparison']}.\n\n{table}\n")
     print(f"\nwrote {args.out} and {markdown}")
     return 0

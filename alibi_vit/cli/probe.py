@@ -5,7 +5,8 @@ says where each model's weights came from (``random init`` when neither ``--pret
 ``--checkpoint`` was given: such numbers say nothing about trained features). ``--per-layer``
 adds one row per block and writes the per-channel R² (the "positional fingerprint", target
 ``--fingerprint-target``) to ``<out>_channels.csv``. ``--plot`` (implies ``--per-layer``) draws
-R² per layer, one panel per target (paper Fig. 2), to ``<out>_layers.png`` and the fingerprint
+R² per layer, one panel per target (paper Fig. 2), to ``<out>_layers.png`` (``--figure-format svg|pdf``
+for vector files) and the fingerprint
 as a layers × channels heatmap per model (paper Fig. 3 uses ``--fingerprint-target x``) to
 ``<out>_fingerprint.png``.
 
@@ -59,7 +60,7 @@ def paper_set_of(images: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .options import add_image_arguments, add_model_arguments
+    from .options import add_figure_arguments, add_image_arguments, add_model_arguments, at_least, fraction
 
     add_model_arguments(parser)
     for action in parser._actions:  # --paper-table names its own models
@@ -79,20 +80,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--paper-set", choices=PAPER_SETS, default=None,
                         help="--paper-table: the paper column these images compare with (default: noise for noise, "
                              "textures for textures, else micrographs)")
-    parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
-    parser.add_argument("--fraction", type=float, default=0.025, help="share of patches the probe is fitted on")
-    parser.add_argument("--min-train", type=int, default=MIN_TRAIN,
+    parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS,
+                        help="position ramps to predict: x, y, diagonal, radial and the joint xy (default: all)")
+    parser.add_argument("--fraction", type=fraction, default=0.025, help="share of patches the probe is fitted on")
+    parser.add_argument("--min-train", type=at_least(0), default=MIN_TRAIN,
                         help="fit on at least this many patches (at most half the grid), raising --fraction on "
                              "small images (default %(default)s; 0 keeps --fraction as given)")
-    parser.add_argument("--repeats", type=int, default=10, help="random samplings per image")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=at_least(1), default=10, help="random samplings per image")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the patch samplings and of noise images")
     parser.add_argument("--per-layer", action="store_true", help="probe every block's output too")
     parser.add_argument("--fingerprint-target", default="xy", choices=TARGETS,
                         help="target of the per-channel fingerprint (default %(default)s; paper Fig. 3: x)")
     parser.add_argument("--plot", action="store_true",
-                        help="draw R² per layer and the per-channel fingerprint heatmap as PNGs next to --out "
-                             "(implies --per-layer)")
-    parser.add_argument("--batch-size", type=int, default=8)
+                        help="draw R² per layer and the per-channel fingerprint heatmap next to --out "
+                             "(implies --per-layer; --figure-format, --dpi)")
+    add_figure_arguments(parser)
+    parser.add_argument("--batch-size", type=at_least(1), default=8, help="images per forward pass")
     parser.add_argument("--out", type=Path, default=Path("probe_results.csv"), help="CSV file to write")
 
 
@@ -104,7 +107,8 @@ def run(args) -> int:
 
     from ..analysis.probe import per_channel_r2, positional_r2
     from ..images import normalize
-    from .options import build_models, check_image_size, images_from_args, model_features, weights_of, write_csv
+    from .options import (build_models, check_image_size, figure_path, images_from_args, model_features, weights_of,
+                          write_csv)
 
     if args.paper_table:
         return run_paper_table(args)
@@ -153,12 +157,12 @@ def run(args) -> int:
         print(f"wrote {channel_path}")
     if args.plot:
         layer_rows = [r for r in rows if r["layer"] != "final"]
-        figures = {"_layers.png": plot_r2_per_layer(layer_rows, args.targets),
-                   "_fingerprint.png": plot_fingerprints({k: np.stack(v) for k, v in fingerprints.items()},
-                                                         args.fingerprint_target)}
+        figures = {"_layers": plot_r2_per_layer(layer_rows, args.targets),
+                   "_fingerprint": plot_fingerprints({k: np.stack(v) for k, v in fingerprints.items()},
+                                                     args.fingerprint_target)}
         for suffix, fig in figures.items():
-            path = args.out.with_name(args.out.stem + suffix)
-            fig.savefig(path, dpi=120)
+            path = figure_path(args.out.with_name(args.out.stem + suffix), args)
+            fig.savefig(path, dpi=args.dpi)
             print(f"wrote {path}")
     return 0
 

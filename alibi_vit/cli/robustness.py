@@ -16,9 +16,12 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib
+import warnings
 from pathlib import Path
 
 from lit_modules.robustness import TRANSFORMS
+
+from .options import at_least
 
 __all__ = ["add_arguments", "run"]
 
@@ -44,30 +47,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="validation set (default: the datamodule stored in the first checkpoint, else voc2012)")
     parser.add_argument("--data.root", dest="data_root", default=None,
                         help="dataset root folder (default: the root stored in the first checkpoint)")
-    parser.add_argument("--data.image_size", dest="image_size", type=int, default=None,
+    parser.add_argument("--data.image_size", dest="image_size", type=at_least(1), default=None,
                         help="probe input size in px (default: the checkpoint's, else 518)")
     parser.add_argument("--data.resize_mode", dest="resize_mode", choices=("stretch", "crop"), default=None,
                         help="image resizing (default: the checkpoint's, else stretch)")
-    parser.add_argument("--transforms", nargs="+", choices=TRANSFORMS, default=list(TRANSFORMS))
+    parser.add_argument("--transforms", nargs="+", choices=TRANSFORMS, default=list(TRANSFORMS),
+                        help="image transforms to score (default: all; none is the probe's own score)")
     parser.add_argument("--roll", nargs=2, type=int, default=None, metavar=("DY", "DX"),
                         help="roll in whole patches (default: half the patch grid)")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--num-workers", type=int, default=4)
+    parser.add_argument("--batch-size", type=at_least(1), default=16, help="images per forward pass")
+    parser.add_argument("--num-workers", type=at_least(0), default=4,
+                        help="data-loading processes (at most the CPU cores; 0 loads in this process)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    parser.add_argument("--limit-batches", type=int, default=None, help="evaluate only this many batches (smoke runs)")
+    parser.add_argument("--limit-batches", type=at_least(1), default=None, help="evaluate only this many batches (smoke runs)")
     parser.add_argument("--csv", default="robustness.csv", help="where to write the results table")
 
 
 def _parse_checkpoints(specs: list[str]) -> list[tuple[str | None, Path]]:
+    from ..files import require_file
+
     out = []
     for spec in specs:
         label, sep, path = spec.partition("=")
         label, path = (label, path) if sep and not Path(spec).exists() else (None, spec)
-        path = Path(path).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"probe checkpoint {path} does not exist")
+        path = require_file(Path(path).expanduser(), "probe checkpoint")
         out.append((label, path))
     return out
+
+
+def _effective_roll(roll, image_size, patch_size):
+    """``--roll`` reduced to the patch grid (rolls wrap around): a roll that wraps to none is an error, one that
+    wraps to another roll is said, so the table never calls an unrolled image rolled."""
+    if roll is None:
+        return roll
+    grid = [int(s) // int(p) for s, p in zip(image_size, patch_size)]
+    wrapped = [r % g for r, g in zip(roll, grid)]
+    if not any(wrapped):
+        raise ValueError(f"--roll {roll[0]} {roll[1]} wraps around the {grid[0]}×{grid[1]} patch grid to no roll at "
+                         f"all: give a roll that is not a multiple of the grid (e.g. {grid[0] // 2} {grid[1] // 2})")
+    if wrapped != list(roll):
+        warnings.warn(f"--roll {roll[0]} {roll[1]} on the {grid[0]}×{grid[1]} patch grid is a roll of "
+                      f"{wrapped[0]} {wrapped[1]} patches (rolls wrap around)")
+    return tuple(wrapped)
 
 
 def _make_datamodule(args, stored: dict):
@@ -99,12 +120,13 @@ def _make_datamodule(args, stored: dict):
 
 
 def run(args) -> int:
+    checkpoints = _parse_checkpoints(args.checkpoint)  # before the heavy imports: a wrong path is said at once
+
     import torch
 
     from lit_modules.robustness import evaluate_robustness, format_table, read_probe_checkpoint
     from lit_modules.segmentation_probe import SegmentationProbeModule
 
-    checkpoints = _parse_checkpoints(args.checkpoint)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     stored = None
     for _, path in checkpoints:  # every file checked before the first (long) evaluation starts
@@ -127,9 +149,12 @@ def run(args) -> int:
             raise ValueError(f"{path}: the probe has {module.num_classes} classes, "
                              f"{datamodule.name} has {datamodule.num_classes}")
         name = label or module.hparams.backbone
-        scores = evaluate_robustness(module, loader, args.transforms, roll=args.roll, device=device,
+        roll = (_effective_roll(args.roll, datamodule.image_size, module.backbone.patch_embed.patch_size)
+                if "roll" in args.transforms else args.roll)
+        scores = evaluate_robustness(module, loader, args.transforms, roll=roll, device=device,
                                      limit_batches=args.limit_batches, desc=name)
-        rows.append({"backbone": name, **scores, "checkpoint": str(path)})
+        rows.append({"backbone": name, **scores, "checkpoint": str(path),
+                     "roll_patches": "half grid" if roll is None else f"{roll[0]} {roll[1]}"})
         del module
 
     size = "x".join(str(s) for s in datamodule.image_size)
@@ -144,7 +169,6 @@ def run(args) -> int:
         writer.writeheader()
         for row in rows:
             writer.writerow({**{k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in row.items()},
-                             "dataset": datamodule.name, "image_size": size,
-                             "roll_patches": "half grid" if args.roll is None else f"{args.roll[0]} {args.roll[1]}"})
+                             "dataset": datamodule.name, "image_size": size})
     print(f"\nwrote {out}")
     return 0

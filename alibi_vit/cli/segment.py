@@ -18,17 +18,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from .options import checkpoints_by_model, parse_model_args
+from ..files import check_folder_path
+from .options import add_figure_arguments, at_least, checkpoints_by_model, parse_model_args
 
 ACTIONS = {
     "train": "train a pixel classifier from images and sparse label images",
     "apply": "segment images with a trained model; an unreadable image is skipped, named, and ends in exit status 1",
+    "merge": "combine the shares of a run split with --shard into the folder's area_fractions.csv",
     "benchmark": "scribble benchmark: test mIoU per round of generated scribbles",
 }
 LABEL_SUFFIXES = ("", "_labels", "_label", "_mask", "_masks", "_gt", "-labels", "-mask")
@@ -36,6 +38,7 @@ OUT_FORMATS = ("auto", "png", "tif", "ome-zarr", "bigtiff")
 STREAMED_FORMATS = ("ome-zarr", "bigtiff")
 # Larger images (and zarr stores) are read lazily and segmented tile by tile; smaller ones are read whole.
 WHOLE_PIXELS = 4096 * 4096
+MIN_SYNTHETIC_SIZE = 64  # px: below it, the benchmark's generated images are warned about
 
 
 def _add_backbone_arguments(p, several: bool):
@@ -56,22 +59,26 @@ def _add_backbone_arguments(p, several: bool):
 
 
 def _add_common(p):
-    p.add_argument("--classifier", choices=("xgboost", "random_forest"), default="xgboost")
+    p.add_argument("--classifier", choices=("xgboost", "random_forest"), default="xgboost",
+                   help="pixel classifier: xgboost (default; histogram method, balanced classes) or random_forest")
     p.add_argument("--intensity", choices=("training", "auto", "percentile", "minmax", "dtype"), default="training",
                    help="how images are scaled to [0, 1]: training (default: black/white points fitted once on "
                         "the training images' pooled pixels, stored with the model, applied unchanged to every "
                         "image); or each image by itself: auto (0.5–99.5th percentiles for grayscale, dtype for "
                         "colour), percentile, minmax, dtype")
-    p.add_argument("--components", type=int, default=9, help="PCA components of the ViT features")
-    p.add_argument("--trees", type=int, default=None,
+    p.add_argument("--components", type=at_least(1), default=9, help="PCA components of the ViT features")
+    p.add_argument("--trees", type=at_least(1), default=None,
                    help="number of trees (boosting rounds, or forest size) instead of the classifier's default")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the classifier, of the pixel sample it trains on and of random backbone weights")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     t = sub.add_parser("train", help=ACTIONS["train"], description=ACTIONS["train"])
-    t.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE")
+    t.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE",
+                   help="training images: folders (their PNG/TIFF/JPEG/BMP files) and/or files; multi-page TIFFs "
+                        "are stacks")
     t.add_argument("--labels", nargs="+", required=True, metavar="DIR_OR_FILE",
                    help="label images: 0 = unlabelled, 1..K = classes, paired with the images by file name")
     _add_backbone_arguments(t, several=False)
@@ -79,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--features", default=None, metavar="MODULE:FUNCTION",
                    help="user feature hook: a function taking the scaled image ((H, W) or (H, W, 3) floats in "
                         "[0, 1]) and returning (H, W, F) features; stored by import path, never pickled")
-    t.add_argument("--modal", type=int, default=0, metavar="N",
+    t.add_argument("--modal", type=at_least(0), default=0, metavar="N",
                    help="majority (modal) filter of odd window N px on the masks (default 0: none)")
     t.add_argument("--colour", choices=("channels", "grey"), default="channels",
                    help="colour images: featurised per channel (default; the model then takes colour images only) "
@@ -87,11 +94,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--crf", nargs="?", const="paper", choices=("paper", "library"), default=None,
                    help="refine predictions with a dense CRF when applying: preset paper (the paper notebook's "
                         "sxy values; the default of a bare --crf) or library (the authors' backend's defaults)")
-    t.add_argument("--out", type=Path, required=True, metavar="MODEL_DIR")
+    t.add_argument("--out", type=Path, required=True, metavar="MODEL_DIR",
+                   help="folder to write the model to (config.json, classifier.json; what apply --model reads)")
     a = sub.add_parser("apply", help=ACTIONS["apply"], description=ACTIONS["apply"])
-    a.add_argument("--model", type=Path, required=True, metavar="MODEL_DIR")
-    a.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE")
-    a.add_argument("--out", type=Path, required=True, metavar="DIR")
+    a.add_argument("--model", type=Path, required=True, metavar="MODEL_DIR",
+                   help="a model folder written by 'segment train' or the app's Save")
+    a.add_argument("--images", nargs="+", required=True, metavar="DIR_OR_FILE",
+                   help="images to segment: folders and/or files (several folders may hold the same names)")
+    a.add_argument("--out", type=Path, required=True, metavar="DIR",
+                   help="output folder: <name>_mask.png, <name>_overlay.png, area_fractions.csv, colour_key.png, "
+                        "segment_run.json (one model per folder; a second run of the same model adds to it)")
     a.add_argument("--recursive", action="store_true",
                    help="also segment images in subfolders of the --images folders; outputs mirror the subfolders")
     a.add_argument("--out-format", choices=OUT_FORMATS, default="auto",
@@ -107,24 +119,66 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--crf", choices=("model", "on", "off", "paper", "library"), default="model",
                    help="dense-CRF clean-up: as the model was trained (default), on (preset paper), off, or a "
                         "preset (paper, library)")
-    a.add_argument("--modal", type=int, default=None, metavar="N",
+    a.add_argument("--modal", type=at_least(0), default=None, metavar="N",
                    help="majority filter of odd window N px (0: none; default: as the model was trained)")
-    a.add_argument("--device", default=None)
+    a.add_argument("--device", default=None, help="where a ViT backbone runs (default: cuda if available, else cpu)")
+    _add_scale_out_arguments(a)
+    m = sub.add_parser("merge", help=ACTIONS["merge"], description=ACTIONS["merge"])
+    m.add_argument("out", type=Path, metavar="OUT",
+                   help="the --out folder the shares wrote (segment_run.shard-I-of-N.json, area_fractions.shard-I-of-N.csv)")
     b = sub.add_parser("benchmark", help=ACTIONS["benchmark"], description=ACTIONS["benchmark"])
-    for name in ("train-images", "train-masks", "test-images", "test-masks"):
-        b.add_argument(f"--{name}", nargs="+", metavar="DIR_OR_FILE")
+    for name, what in (("train-images", "training images"), ("train-masks", "their complete ground-truth masks"),
+                       ("test-images", "test images"), ("test-masks", "their ground-truth masks")):
+        b.add_argument(f"--{name}", nargs="+", metavar="DIR_OR_FILE",
+                       help=f"{what}: folders and/or files, paired by name (without --synthetic)")
     b.add_argument("--synthetic", action="store_true",
                    help="use generated 3-phase micrographs (offline; not the paper's data)")
     b.add_argument("--composition-shift", action="store_true",
                    help="generated data whose test images lack the brightest of three phases, run once per "
                         "intensity mode (training, percentile, minmax, dtype; --intensity is not used)")
-    b.add_argument("--synthetic-size", type=int, default=256)
-    b.add_argument("--synthetic-count", type=int, nargs=2, default=(5, 5), metavar=("TRAIN", "TEST"))
+    b.add_argument("--synthetic-size", type=at_least(1), default=256,
+                   help=f"side of the generated square images in px (default %(default)s; under {MIN_SYNTHETIC_SIZE} "
+                        "is warned about)")
+    b.add_argument("--synthetic-count", type=at_least(1), nargs=2, default=(5, 5), metavar=("TRAIN", "TEST"),
+                   help="number of generated training and test images (default 5 5)")
     _add_backbone_arguments(b, several=True)
     _add_common(b)
-    b.add_argument("--rounds", type=int, default=5)
-    b.add_argument("--per-class", type=int, default=1, help="scribbles per class per training image per round")
-    b.add_argument("--out", type=Path, default=Path("segment_benchmark"), metavar="DIR")
+    b.add_argument("--rounds", type=at_least(1), default=5,
+                   help="scribble rounds: each adds --per-class scribbles per class per image and retrains (default 5)")
+    b.add_argument("--per-class", type=at_least(1), default=1, help="scribbles per class per training image per round")
+    b.add_argument("--out", type=Path, default=Path("segment_benchmark"), metavar="DIR",
+                   help="output folder: benchmark.csv, miou_vs_round and examples figures (default %(default)s)")
+    add_figure_arguments(b)
+
+
+def _add_scale_out_arguments(a) -> None:
+    """apply's options for running beyond one process: Dask schedulers, SLURM, shares and resuming."""
+    g = a.add_argument_group("scale-out", "segmenting thousands of images or mosaics larger than a node: a Dask "
+                                          "cluster, SLURM worker jobs, or a SLURM job array (--shard)")
+    g.add_argument("--scheduler", default="threads", metavar="SPEC",
+                   help="threads (default: this process), local:N (N worker processes on this machine), "
+                        "tcp://HOST:PORT (a running Dask scheduler whose workers see the same files) or slurm "
+                        "(Dask workers as SLURM jobs; pip install 'alibi-vit[slurm]')")
+    g.add_argument("--worker-memory", default=None, metavar="SIZE",
+                   help="memory limit per worker of local:N or per SLURM job, e.g. 2GB (default: local:N shares "
+                        "the machine's memory; slurm: --slurm-memory)")
+    g.add_argument("--shard", default=None, metavar="I/N",
+                   help="segment only share I (0..N-1) of the inputs, every N-th image from the I-th (default in a "
+                        "SLURM job array: from SLURM_ARRAY_TASK_ID and SLURM_ARRAY_TASK_COUNT); then 'segment merge OUT'")
+    g.add_argument("--resume", action="store_true",
+                   help="keep the outputs of an earlier run whose manifest names this model, these settings and "
+                        "the same input (SHA-256), and segment the rest")
+    g.add_argument("--slurm-jobs", type=at_least(1), default=1, metavar="N", help="SLURM worker jobs (default 1)")
+    g.add_argument("--slurm-cores", type=at_least(1), default=None, metavar="N",
+                   help="cores per SLURM job, one single-threaded worker process each (default 4)")
+    g.add_argument("--slurm-memory", default=None, metavar="SIZE", help="memory per SLURM job (default 16GB)")
+    g.add_argument("--slurm-walltime", default=None, metavar="HH:MM:SS",
+                   help="time limit per SLURM job (default 01:00:00)")
+    g.add_argument("--slurm-queue", default=None, metavar="PARTITION", help="SLURM partition (default: the site's)")
+    g.add_argument("--slurm-account", default=None, metavar="ACCOUNT", help="SLURM account to charge")
+    g.add_argument("--slurm-config", type=Path, default=None, metavar="YAML",
+                   help="a YAML mapping of further dask_jobqueue.SLURMCluster arguments (job_extra_directives, "
+                        "job_script_prologue, ...); the --slurm-* options given override it")
 
 
 def _pair(images, labels, what="labels"):
@@ -159,6 +213,11 @@ def _image_label_pairs(image_sources, label_sources, what="labels"):
 
     images = [p for p in image_files if not (p in shared and is_label(p))]
     labels = [p for p in label_files if p not in shared or is_label(p)]
+    paired_stems = {p.stem + s for p in images for s in LABEL_SUFFIXES}
+    orphans = [p.name for p in labels if p.stem not in paired_stems]
+    if orphans:
+        warnings.warn(f"{len(orphans)} {what} file(s) match no image and are not used: "
+                      f"{', '.join(orphans[:5])}{' …' if len(orphans) > 5 else ''}")
     if not images or not labels:
         found = ", ".join(p.name for p in image_files[:5]) + (" …" if len(image_files) > 5 else "")
         raise ValueError(f"found no {'images' if not images else what} to pair among {len(image_files)} file(s) "
@@ -168,7 +227,13 @@ def _image_label_pairs(image_sources, label_sources, what="labels"):
 
 
 def _check_backbone_weights(args, names):
-    """Backbones need --pretrained, a checkpoint or --allow-random-init: random features must be asked for."""
+    """Backbones need --pretrained, a checkpoint or --allow-random-init: random features must be asked for.
+    An unknown name is said first (a misspelt name has no weights either, but that is not the problem)."""
+    if names:
+        from ..models.checkpoint import check_model_name
+
+        for name in names:
+            check_model_name(name)
     checkpoints = checkpoints_by_model(args.checkpoint, names) if args.checkpoint else {}
     random = [n for n in names if n not in checkpoints and not args.pretrained]
     if random and not args.allow_random_init:
@@ -180,46 +245,10 @@ def _check_backbone_weights(args, names):
     return checkpoints
 
 
-def _check_out_folder(out: Path, option: str = "--out") -> None:
-    """Fail before any work when the output folder cannot be one (it, or a folder above it, is a file)."""
-    for place in (out, *out.parents):
-        if place.exists():
-            if not place.is_dir():
-                raise ValueError(f"{option} {out}: {place} is an existing file; give a folder")
-            return
-
-
 def _classifier_params(args):
     if args.trees is not None and args.trees < 1:
         raise ValueError(f"--trees must be at least 1, got {args.trees}")
     return {} if args.trees is None else {"n_estimators": args.trees}
-
-
-def _stem(path: Path) -> str:
-    """The name outputs are named after: the file name without its image suffixes (``a.ome.zarr`` → ``a``)."""
-    name = path.name[:-len(".zarr")] if path.name.lower().endswith(".zarr") else path.stem
-    return name[:-len(".ome")] if name.lower().endswith(".ome") and len(name) > 4 else name
-
-
-def _streamed_view(path: Path, out_format: str):
-    """The lazy view (or, for a streamed format, the array) of an image that is segmented tile by tile,
-    or None for one read whole: zarr stores, single-plane TIFFs above ``WHOLE_PIXELS``, and any
-    image with a streamed ``out_format``. A large image with a single-file format is an error."""
-    from ..chunked import TIFF_SUFFIXES, is_zarr_path, open_image
-    from ..images import read_array
-
-    lazy = is_zarr_path(path) or path.suffix.lower() in TIFF_SUFFIXES
-    image = open_image(path) if lazy else None
-    if image is not None and image.planes > 1 and not is_zarr_path(path):
-        return None  # a TIFF stack of slices: read whole, slice by slice (a zarr volume is refused by name)
-    big = image is not None and (is_zarr_path(path) or image.shape[0] * image.shape[1] > WHOLE_PIXELS)
-    if big and out_format in ("png", "tif"):
-        raise ValueError(f"{path} is {image.shape[0]}×{image.shape[1]} px{' (zarr)' if is_zarr_path(path) else ''}: "
-                         f"it is segmented tile by tile, which --out-format {out_format} cannot write; use "
-                         "--out-format auto, ome-zarr or bigtiff")
-    if big or out_format in STREAMED_FORMATS:
-        return image if image is not None else read_array(path)
-    return None
 
 
 def _train(args) -> int:
@@ -235,10 +264,10 @@ def _train(args) -> int:
         backbone_kwargs = dict(checkpoint=checkpoints.get(args.backbone), model_kwargs=parse_model_args(args.model_arg),
                                pretrained=args.pretrained and args.backbone not in checkpoints)
     pairs = _image_label_pairs(args.images, args.labels)
-    _check_out_folder(args.out)
+    check_folder_path(args.out)
     images, labels = [], []
     for img, lab in tqdm(pairs, desc="read", disable=len(pairs) < 2):
-        view = _streamed_view(img, "auto")
+        view = _image_format(img, "auto")[1]
         if view is not None:  # read lazily: only the tiles that hold labels are read
             images.append(view)
             labels.append(_lazy_labels(lab))
@@ -279,130 +308,145 @@ def _lazy_labels(path: Path):
     return read_labels(path)
 
 
-def _segment_streamed(seg, path: Path, image, dest: Path, name: str, args):
-    """Segment one image tile by tile into ``dest``; (class pixel counts, pixel count) for the CSV."""
-    from ..chunked import is_zarr_path
-    from ..trainable.stream import segment_to_files
+def _image_format(path: Path, out_format: str):
+    """(format of its outputs, its chunked view or None) of one input, reading metadata only: images
+    read lazily (zarr stores, single-plane TIFFs above ``WHOLE_PIXELS``, any TIFF with a streamed
+    ``out_format``) are segmented tile by tile; a PNG with a streamed format streams in one piece."""
+    from ..chunked import TIFF_SUFFIXES, is_zarr_path, open_image
 
-    fmt = args.out_format if args.out_format in STREAMED_FORMATS else "ome-zarr" if is_zarr_path(path) else "bigtiff"
-    started, cpu = time.perf_counter(), time.process_time()
-    result = segment_to_files(seg, image, dest, _stem(path), fmt, proba=args.proba, overlays=not args.no_overlay)
-    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
-    if result.note:
-        tqdm.write(f"note: {result.note}", file=sys.stderr)
-    tqdm.write(f"{name}: {result.size / 1e6:.1f} MP in {seconds:.1f} s ({result.size / 1e6 / seconds:.2f} MP/s, "
-               f"{cpu:.0f} CPU s) → " + ", ".join(p.name for p in result.paths), file=sys.stderr)
-    return result.counts, result.size
+    zarr = is_zarr_path(path)
+    image = open_image(path) if zarr or path.suffix.lower() in TIFF_SUFFIXES else None
+    if image is not None and image.planes > 1 and not zarr:
+        return "tif", None  # a TIFF stack of slices: read whole, slice by slice, written back as a TIFF stack
+    big = image is not None and (zarr or image.shape[0] * image.shape[1] > WHOLE_PIXELS)
+    if big and out_format in ("png", "tif"):
+        raise ValueError(f"{path} is {image.shape[0]}×{image.shape[1]} px{' (zarr)' if zarr else ''}: "
+                         f"it is segmented tile by tile, which --out-format {out_format} cannot write; use "
+                         "--out-format auto, ome-zarr or bigtiff")
+    if out_format in STREAMED_FORMATS:
+        return out_format, image
+    if big:
+        return ("ome-zarr" if zarr else "bigtiff"), image
+    return ("tif" if out_format == "tif" else "png"), None
+
+
+def _apply_inputs(args):
+    """Every input image and its output names (:func:`~alibi_vit.trainable.output_folder.output_names`)."""
+    from ..trainable.io import list_image_files
+    from ..trainable.output_folder import output_names
+
+    files, sources, relative = [], [], []
+    for src in args.images:
+        for f in list_image_files([src], recursive=args.recursive):
+            files.append(f)
+            sources.append(Path(src))
+            relative.append(f.relative_to(src) if Path(src).is_dir() else Path(f.name))
+    names, notes = output_names(files, sources, relative)  # over every input, so each share names alike
+    for note in notes:
+        warnings.warn(note)
+    return files, names
+
+
+def _check_channels_once(seg, files, kinds) -> None:
+    """A colour model given grayscale images (or the reverse) fails before any work: the first
+    readable image is read for that (twice in all), so the error is one clean line."""
+    from ..images import read_array
+    from ..trainable.io import read_slices
+
+    for path in files:
+        kind = kinds[path]
+        if isinstance(kind, Exception):
+            continue
+        try:
+            first = kind[1] if kind[1] is not None else (read_slices(path) or [read_array(path)])[0]
+        except (OSError, ValueError):
+            continue  # reported when its turn comes
+        if getattr(first, "planes", 1) > 1:
+            continue
+        seg.check_channels(first, str(path))
+        return
 
 
 def _apply(args) -> int:
-    import warnings
+    from functools import partial
 
-    from ..images import ImageReadError, read_array, scale_colour
+    from ..images import ImageReadError
     from ..trainable import TrainableSegmenter
-    from ..trainable.io import (area_fractions, list_image_files, overlay, read_slices, write_colour_key,
-                                write_fractions_csv, write_mask, write_proba)
-    from ..trainable.writers import OutputError
+    from ..trainable.batch import ImageJob, ModelPackage, chunked_units, run_jobs
+    from ..trainable.io import write_colour_key, write_fractions_csv
+    from ..trainable.output_folder import OutputFolder, model_digest
+    from ..trainable.scheduler import SlurmOptions, open_executor, parse_scheduler, parse_shard, shard_from_environment
 
-    files, where = [], {}  # where: image → (output folder, name in the CSV)
-    for src in args.images:
-        for f in list_image_files([src], recursive=args.recursive):
-            rel = f.relative_to(src) if Path(src).is_dir() else Path(f.name)
-            files.append(f)
-            where[f] = (args.out / rel.parent, rel.as_posix())
-    _check_out_folder(args.out)
-    streamed = {}  # image → its chunked view (or its array, for a streamed format) when it is streamed
+    scheduler = parse_scheduler(args.scheduler)
+    shard = parse_shard(args.shard) if args.shard is not None else shard_from_environment()
+    if args.modal is not None and args.modal % 2 == 0 and args.modal:
+        raise ValueError(f"--modal must be 0 or an odd window size, got {args.modal}")
+    files, names = _apply_inputs(args)
+    check_folder_path(args.out)
+    if shard is not None:
+        index, count = shard
+        files, names = files[index::count], names[index::count]
+        print(f"share {index}/{count}: {len(files)} image(s)", file=sys.stderr)
+    kinds = {}
     for path in files:
         try:
-            streamed[path] = _streamed_view(path, args.out_format)
-        except ImageReadError as err:  # reported in the loop below
-            streamed[path] = err
+            kinds[path] = _image_format(path, args.out_format)
+        except ImageReadError as err:  # reported as skipped below
+            kinds[path] = err
     seg = TrainableSegmenter.load(args.model, device=args.device)
-    args.out.mkdir(parents=True, exist_ok=True)
     if args.modal is not None:
-        if args.modal < 0 or (args.modal and args.modal % 2 == 0):
-            raise ValueError(f"--modal must be 0 or an odd window size, got {args.modal}")
         seg.modal = args.modal
     if args.crf != "model":
         seg.crf = {"on": "paper", "off": False}.get(args.crf, args.crf)
+    _check_channels_once(seg, files, kinds)
     k = int(seg.classes_.max())
-    failed, names, counts = [], [], []
-
-    def read(path):
-        stack = read_slices(path)
-        return (stack, True) if stack is not None else ([read_array(path)], False)
-
-    # A colour model given grayscale images (or the reverse) fails before the progress bar and any output:
-    # one image is read twice for that, so the error stays a single clean line.
-    for path in files:
-        try:
-            first = streamed[path] if streamed[path] is not None else read(path)[0][0]
-        except (OSError, ValueError):
-            continue  # reported in the loop below
-        if isinstance(first, Exception) or getattr(first, "planes", 1) > 1:
-            continue
-        seg.check_channels(first, str(path))
-        break
-    for path in tqdm(files, desc="segment"):
-        if isinstance(streamed[path], Exception):
-            warnings.warn(f"skipped {path}: {streamed[path]}")
-            failed.append(path.name)
-            continue
-        if streamed[path] is not None:
-            try:
-                counts.append(_segment_streamed(seg, path, streamed[path], *where[path], args))
-            except OutputError:
-                raise
-            except (OSError, ValueError) as err:  # a damaged tile: this image is skipped, the others go on
-                warnings.warn(f"skipped {path}: {err}")
-                failed.append(path.name)
+    digest = model_digest(args.model)
+    settings = {"model": str(Path(args.model).resolve()), "model_digest": digest, "crf": seg.crf or "off",
+                "modal": seg.modal, "format": args.out_format, "proba": args.proba, "overlay": not args.no_overlay,
+                "classes": [int(c) for c in seg.classes_]}
+    slurm = SlurmOptions(jobs=args.slurm_jobs, cores=args.slurm_cores, memory=args.slurm_memory,
+                         walltime=args.slurm_walltime, queue=args.slurm_queue, account=args.slurm_account,
+                         config=args.slurm_config)
+    unreadable = [(p, kinds[p]) for p in files if isinstance(kinds[p], Exception)]
+    with OutputFolder(args.out, settings, partial(write_fractions_csv, classes=seg.classes_), shard=shard) as folder:
+        jobs = []
+        for path, name in zip(files, names):
+            if isinstance(kinds[path], Exception):
                 continue
-            names.append(where[path][1])
-            continue
-        try:
-            arrays, is_stack = read(path)
-        except (OSError, ValueError) as err:  # one unreadable file must not cost the others their masks
+            fmt, view = kinds[path]
+            earlier = folder.finished(name.row) if args.resume else None
+            jobs.append(ImageJob(str(path), name.row, name.stem, str(folder.stage(name.row, args.out / name.folder)),
+                                 fmt, args.proba, not args.no_overlay, chunked=view is not None,
+                                 units=chunked_units(view.shape, seg) if view is not None else 1,
+                                 resume_sha256=earlier.get("input_sha256") if earlier else None))
+        for path, err in unreadable:
             warnings.warn(f"skipped {path}: {err}")
-            failed.append(path.name)
-            continue
-        seg.check_channels(arrays[0], str(path))  # a colour model given grey images (or the reverse): an error
-        try:
-            scaled = [seg.scale(a, f"{path} slice {z}" if is_stack else str(path)) for z, a in enumerate(arrays)]
-        except (OSError, ValueError) as err:  # one unreadable file must not cost the others their masks
-            warnings.warn(f"skipped {path}: {err}")
-            failed.append(path.name)
-            continue
-        probas = [seg.predict_proba([x], scaled=True)[0]
-                  for x in tqdm(scaled, desc=f"{path.name} slices", leave=False, disable=not is_stack)]
-        masks = [seg.mask_from_proba(p) for p in probas]
-        dest = where[path][0]
-        for z, mask in enumerate(masks):
-            names.append(f"{where[path][1]}[{z}]" if is_stack else where[path][1])
-            counts.append((area_fractions(mask, seg.classes_)[0], mask.size))
-        if is_stack:  # written back as a stack: TIFF whatever --format says; no overlays
-            write_mask(dest / f"{path.stem}_mask.tif", np.stack(masks), k)
-            if args.proba:
-                write_proba(dest, path.stem, np.stack(probas), seg.classes_)
-            continue
-        array, image01, proba, mask = arrays[0], scaled[0], probas[0], masks[0]
-        write_mask(dest / f"{path.stem}_mask.{'tif' if args.out_format == 'tif' else 'png'}", mask, k)
-        if args.proba:
-            write_proba(dest, path.stem, proba, seg.classes_)
-        if not args.no_overlay:
-            from PIL import Image
-
-            # Colour images are shown in their own colours (by dtype), grayscale as the model scaled it.
-            shown = scale_colour(array, "auto", str(path)) if image01.ndim == 3 else image01
-            Image.fromarray(overlay(shown, mask, 0.4, k)).save(dest / f"{path.stem}_overlay.png")
-    if names:
-        write_fractions_csv(args.out / "area_fractions.csv", names, counts, seg.classes_)
-        write_colour_key(args.out / "colour_key.png", seg.classes_, k)
-    print(f"segmented {len(files) - len(failed)} of {len(files)} image(s) into {args.out} "
-          f"(area fractions per class in {args.out / 'area_fractions.csv'})")
+        with open_executor(scheduler, worker_memory=args.worker_memory, slurm=slurm) as executor:
+            if executor.dashboard:
+                print(f"Dask dashboard: {executor.dashboard}", file=sys.stderr)
+            model = seg if scheduler.kind == "threads" else executor.broadcast(
+                ModelPackage.from_folder(args.model, digest, seg.crf, seg.modal, args.device))
+            outcome = run_jobs(executor, model, jobs, folder)
+    write_colour_key(args.out / "colour_key.png", seg.classes_, k)
+    failed = [p.name for p, _ in unreadable] + [name for name, _ in outcome.failed]
+    kept = f"; {outcome.kept} kept from an earlier run (--resume)" if args.resume else ""
+    print(f"segmented {outcome.written} of {len(files)} image(s) into {args.out}{kept} "
+          f"(area fractions per class in {folder.csv_path})")
     if failed:
-        print(f"alibi-vit segment: error: {len(failed)} image(s) could not be read: {', '.join(failed)}",
+        print(f"alibi-vit segment: error: {len(failed)} image(s) could not be segmented: {', '.join(failed)}",
               file=sys.stderr)
         return 1
+    return 0
+
+
+def _merge(args) -> int:
+    from functools import partial
+
+    from ..trainable.io import write_fractions_csv
+    from ..trainable.output_folder import CSV_NAME, merge_shards
+
+    shares, images = merge_shards(args.out, lambda classes: partial(write_fractions_csv, classes=classes))
+    print(f"merged {shares} shares: {images} image(s); area fractions per class in {args.out / CSV_NAME}")
     return 0
 
 
@@ -419,10 +463,11 @@ def _benchmark(args) -> int:
     from ..synthetic import synthetic_dataset
     from ..trainable.benchmark import compare_intensity, composition_shift_data, scribble_benchmark, write_outputs
 
-    if args.rounds < 1:
-        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+    if (args.synthetic or args.composition_shift) and args.synthetic_size < MIN_SYNTHETIC_SIZE:
+        warnings.warn(f"--synthetic-size {args.synthetic_size}: images under {MIN_SYNTHETIC_SIZE} px are smaller "
+                      "than the filters' reach (σ up to 16 px) and hold few scribbles: the scores mean little")
     checkpoints = _check_backbone_weights(args, args.backbone)
-    _check_out_folder(args.out)
+    check_folder_path(args.out)
     if args.composition_shift:
         if args.train_images or args.test_images:
             raise ValueError("--composition-shift generates its data: give no --train-images/--test-images")
@@ -434,6 +479,11 @@ def _benchmark(args) -> int:
     else:
         tr, trm, _ = _read_set(args.train_images, args.train_masks, "train")
         te, tem, _ = _read_set(args.test_images, args.test_masks, "test")
+        unseen = sorted(set(np.unique(np.concatenate([m.ravel() for m in tem]))) - {0}
+                        - set(np.unique(np.concatenate([m.ravel() for m in trm]))))
+        if unseen:
+            raise ValueError(f"the test masks hold class(es) {', '.join(map(str, unseen))} that no training mask "
+                             "has: a classifier cannot predict them, so the scores would mean nothing")
     backbones = {"classical": None}
     if args.backbone:
         from ..models.checkpoint import create_backbone
@@ -454,7 +504,8 @@ def _benchmark(args) -> int:
                                                      segmenter_kwargs={**seg_kwargs, "intensity": args.intensity},
                                                      **run_kwargs)
     paths = write_outputs(args.out, rows, preds, te, test_masks,
-                          intensity="auto" if args.composition_shift else args.intensity)
+                          intensity="auto" if args.composition_shift else args.intensity,
+                          figure_format=args.figure_format, dpi=args.dpi)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     print("round  " + "  ".join(methods))
     for r in range(1, args.rounds + 1):
@@ -470,4 +521,4 @@ def _benchmark(args) -> int:
 
 
 def run(args) -> int:
-    return {"train": _train, "apply": _apply, "benchmark": _benchmark}[args.action](args)
+    return {"train": _train, "apply": _apply, "merge": _merge, "benchmark": _benchmark}[args.action](args)

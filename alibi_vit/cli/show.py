@@ -10,15 +10,15 @@ import argparse
 import re
 from pathlib import Path
 
-from .options import add_image_arguments, add_model_arguments, build_models, images_from_args
+from .options import add_image_arguments, add_model_arguments, at_least, build_models, images_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_image_arguments(parser, default_size=448)
     parser.add_argument("--out", required=True, help="output folder for one PNG per image")
-    parser.add_argument("--k", type=int, default=4, help="k-means clusters")
-    parser.add_argument("--n-init", type=int, default=None,
+    parser.add_argument("--k", type=at_least(1), default=4, help="k-means clusters")
+    parser.add_argument("--n-init", type=at_least(1), default=None,
                         help="k-means initialisations (default: 15, the paper's; alibi_vit.analysis.feature_maps.N_INIT)")
     parser.add_argument("--pca", choices=("joint", "per-image"), default="joint",
                         help="fit each model's PCA once on all images' patches, so colours mean the same in every "
@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    if args.query is not None and not all(0 <= q < args.size for q in args.query):  # before any slow import
+        raise ValueError(f"--query {args.query[0]} {args.query[1]} is outside the {args.size}×{args.size} px image "
+                         f"(--size {args.size}): give Y and X from 0 to {args.size - 1}")
     import numpy as np
     import torch
     from PIL import Image
@@ -45,6 +48,11 @@ def run(args) -> int:
     # Row labels say when a model is randomly initialised: its maps show an untrained network.
     models = {name + (" (random init)" if weights[name] == "random init" else ""): model
               for name, model in build_models(args)}
+    for name, model in models.items():  # what depends on the patch grid, before any feature is computed
+        ph, pw = model.patch_embed.patch_size
+        if args.k > (args.size // ph) * (args.size // pw):
+            raise ValueError(f"--k {args.k} is more clusters than the {args.size // ph}×{args.size // pw} = "
+                             f"{(args.size // ph) * (args.size // pw)} patches of {name} at --size {args.size}")
     pcas, features = None, [None] * len(images)
     if args.pca == "joint":  # every image's features first: one PCA per model over all of them
         pcas, features = {}, [{} for _ in images]

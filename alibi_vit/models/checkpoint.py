@@ -18,6 +18,7 @@ import timm
 import torch
 import torch.nn as nn
 
+from ..files import require_file
 from .formats import key_mismatches
 from .names import MODEL_NAMES
 
@@ -76,9 +77,7 @@ def save_safetensors(state: dict[str, torch.Tensor], path, metadata: dict[str, s
 
 def load_state_dict_file(path) -> dict[str, torch.Tensor]:
     """Read a state_dict from .safetensors, .pt/.pth/.bin or a Lightning .ckpt (its 'state_dict')."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    path = require_file(path)
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -296,6 +295,8 @@ def create_backbone(name: str, *, pretrained: bool = False, checkpoint=None, see
         source = f" ({', '.join(from_file)} from the checkpoint's metadata)" if from_file else ""
         raise ValueError(f"cannot build {name} with {given or 'its defaults'}{source}: "
                          f"{err or type(err).__name__}") from err
+    if len(getattr(model, "blocks", [None])) == 0:  # depth=0: patch embedding and norm only, nothing to probe
+        raise ValueError(f"cannot build {name} with {given}: a backbone needs at least one transformer block")
     if checkpoint is not None:
         state = load_state_dict_file(checkpoint)
         from .projection import PROJECTION_KEY, attach_projection

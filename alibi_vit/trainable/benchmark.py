@@ -137,8 +137,9 @@ def scribble_benchmark(train_images, train_masks, test_images, test_masks, backb
 
 
 def write_outputs(out_dir, rows, predictions, test_images, test_masks, intensity: str = "auto",
-                  n_examples: int = 2) -> list[Path]:
-    """benchmark.csv, miou_vs_round.png (Fig. S16b) and examples.png (S16c) in ``out_dir``."""
+                  n_examples: int = 2, figure_format: str = "png", dpi: int | None = None) -> list[Path]:
+    """benchmark.csv, miou_vs_round.png (Fig. S16b) and examples.png (S16c) in ``out_dir``; the figures in
+    ``figure_format`` (png, svg, pdf) at ``dpi`` (None: each figure's own)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     csv_path = out / "benchmark.csv"
@@ -146,10 +147,11 @@ def write_outputs(out_dir, rows, predictions, test_images, test_masks, intensity
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    plot_path = out / "miou_vs_round.png"
-    plot_miou_vs_round(rows).savefig(plot_path)
-    examples_path = out / "examples.png"
-    plot_examples(predictions, test_images, test_masks, intensity, n_examples).savefig(examples_path)
+    plot_path = out / f"miou_vs_round.{figure_format}"
+    plot_miou_vs_round(rows).savefig(plot_path, dpi=dpi or "figure")
+    examples_path = out / f"examples.{figure_format}"
+    plot_examples(predictions, test_images, test_masks, intensity, n_examples).savefig(examples_path,
+                                                                                      dpi=dpi or "figure")
     return [csv_path, plot_path, examples_path]
 
 

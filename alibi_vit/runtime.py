@@ -1,0 +1,30 @@
+"""Process settings the ``alibi-vit`` and ``lightning`` commands make before PyTorch loads.
+
+OpenMP threads (PyTorch's intra-op pool) that wait for work spin for a while before they sleep. When
+other processes keep every core busy (a shared workstation, a CI runner, a login node), a spinning
+thread takes the CPU from the very thread it waits for. Measured on the 2-core build machine at load
+18-21 (``benchmarks/results/command_times_cpu.md``): the demo distillation took 29.6 s of CPU with the
+default policy and 8.7 s with ``OMP_WAIT_POLICY=PASSIVE`` (wall 92 s against 27 s), the probe demo with
+``robustness`` 27.6 s against 12.0 s. So when the load average at start is at least the number of usable
+cores, the commands set ``OMP_WAIT_POLICY=PASSIVE``; one the user set is kept, and on a machine with
+cores to spare nothing changes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+__all__ = ["prefer_passive_threads_when_busy"]
+
+
+def prefer_passive_threads_when_busy() -> bool:
+    """Set ``OMP_WAIT_POLICY=PASSIVE`` if the machine is busy, the user did not choose a policy and PyTorch has
+    not loaded yet (OpenMP reads the variable once, when it starts); whether it was set."""
+    if "OMP_WAIT_POLICY" in os.environ or "torch" in sys.modules or not hasattr(os, "getloadavg"):
+        return False
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if os.getloadavg()[0] < cores:
+        return False
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return True
