@@ -64,7 +64,7 @@ def parse_scheduler(text: str) -> SchedulerSpec:
     match = re.fullmatch(r"(tcp|tls)://([^:/\s]+|\[[0-9a-fA-F:]+\]):(\d+)/?", text)
     if match:
         return SchedulerSpec("address", address=text.rstrip("/"))
-    raise ValueError(f"--scheduler {text!r}: expected threads, local:N (N worker processes here), "
+    raise ValueError(f"--scheduler {text}: expected threads, local:N (N worker processes here), "
                      "tcp://HOST:PORT (a running Dask scheduler) or slurm")
 
 
@@ -72,7 +72,7 @@ def parse_shard(text: str) -> tuple[int, int]:
     """(I, N) from ``I/N`` with 0 <= I < N; else a one-line ValueError (before any work)."""
     match = re.fullmatch(r"\s*(-?\d+)\s*/\s*(-?\d+)\s*", text)
     if not match:
-        raise ValueError(f"--shard {text!r}: expected I/N, the share I (0..N-1) of N, e.g. 0/4")
+        raise ValueError(f"--shard {text}: expected I/N, the share I (0..N-1) of N, e.g. 0/4")
     index, count = int(match.group(1)), int(match.group(2))
     if count < 1:
         raise ValueError(f"--shard {text}: N must be at least 1")
@@ -268,7 +268,7 @@ def open_executor(spec: SchedulerSpec, *, worker_memory: str | None = None, slur
             if spec.kind == "local":
                 cluster = LocalCluster(n_workers=spec.workers, threads_per_worker=1, processes=True,
                                        memory_limit=worker_memory or "auto", dashboard_address=":0",
-                                       silence_logs=logging.ERROR)
+                                       silence_logs=logging.CRITICAL)  # failures are listed by the run
                 client = Client(cluster)
             elif spec.kind == "slurm":
                 from dask_jobqueue import SLURMCluster
