@@ -223,7 +223,11 @@ class DaskExecutor(Executor):
         self.dashboard = client.dashboard_link if "dashboard" in info.get("services", {}) else None
 
     def broadcast(self, value):
-        return self.client.scatter(value, broadcast=True, hash=False)
+        # A task that returns the value, not scattered data: if every worker holding it dies, Dask makes it
+        # again from the task (scattered data would be lost, and every unit needing it cancelled).
+        handle = self.client.submit(_value, value, pure=False)
+        self.client.replicate([handle])
+        return handle
 
     def submit(self, fn, *args, follow_up: bool = False):
         return self.client.submit(fn, *args, pure=False, retries=RETRIES, priority=1 if follow_up else 0)
@@ -234,12 +238,20 @@ class DaskExecutor(Executor):
         return as_completed(list(futures))
 
 
+def _value(value):
+    return value
+
+
 def _dask_config():
     import dask
 
     # A worker that dies (killed, out of memory) while running a unit: the unit goes to another worker,
-    # at most ALLOWED_FAILURES more times; then it fails with KilledWorker and is reported.
-    return dask.config.set({"distributed.scheduler.allowed-failures": ALLOWED_FAILURES})
+    # at most ALLOWED_FAILURES more times; then it fails with KilledWorker and is reported. A unit's memory
+    # is its own arrays, not Dask's data, so spilling to disk or pausing a worker cannot free any (a paused
+    # worker would only stop taking units): a worker over 95% of its limit is restarted instead.
+    return dask.config.set({"distributed.scheduler.allowed-failures": ALLOWED_FAILURES,
+                            "distributed.worker.memory.target": False, "distributed.worker.memory.spill": False,
+                            "distributed.worker.memory.pause": False, "distributed.worker.memory.terminate": 0.95})
 
 
 @contextmanager
