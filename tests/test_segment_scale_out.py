@@ -319,3 +319,24 @@ def test_shares_lock_their_own_share_and_overlapping_runs_are_refused(tmp_path):
         with pytest.raises(ValueError, match=rf"being written by process {os.getppid()} on .* \(share 0/3\)"):
             run(shard)
     assert sorted(p.name for p in tmp_path.glob(".segment*")) == [".segment.shard-0-of-3.lock"]
+
+
+def test_images_a_killed_run_committed_are_listed_by_the_next_run(tmp_path):
+    """SIGKILL between two saves of the run manifest: each image's own manifest still accounts for it."""
+    written = []
+    settings = {"model_digest": "d", "crf": "off", "modal": 0}
+
+    def write_csv(path, names, counts):
+        Path(path).write_text(",".join(names))
+        written.append(list(names))
+
+    killed = OutputFolder(tmp_path, settings, write_csv).__enter__()  # never left: as if killed
+    signal.signal(signal.SIGTERM, killed._previous_sigterm)  # what leaving it would restore
+    for row in ("b.png", "a.png"):
+        (killed.stage(row, tmp_path) / f"{row[0]}_mask.png").write_bytes(b"1")
+        killed.commit(row, tmp_path / row, [(row, [1], 1)], sha256=row)
+    killed.lock_path.unlink()  # what taking over a dead process's lock does
+    with OutputFolder(tmp_path, settings, write_csv) as folder:
+        assert sorted(folder.images) == ["a.png", "b.png"]
+        assert folder.finished("a.png")["input_sha256"] == "a.png"
+    assert written[-1] == ["a.png", "b.png"]  # by name, not by the order they were written in
