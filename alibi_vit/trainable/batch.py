@@ -222,11 +222,9 @@ def finish_chunked(layout) -> Result:
 
 def chunked_units(shape, seg) -> int:
     """Units of a chunked image: its first, its tiles in every pass, its last."""
-    from .stream import StreamLayout
+    from .stream import passes
 
-    layout = StreamLayout(Path("."), "", "ome-zarr", False, False, tuple(shape), seg.tile,
-                          tuple(int(c) for c in seg.classes_), int(seg.halo), bool(seg.crf), int(seg.modal))
-    return layout.units() + 1
+    return 2 + sum(len(grid) for _, grid in passes(shape, seg.tile, seg.halo, bool(seg.crf), int(seg.modal)))
 
 
 @dataclass
@@ -349,7 +347,12 @@ def _submit_step(state: _Chunked, submit, model) -> None:
 
 def _finish_image(folder, job: ImageJob, result: Result, outcome: Outcome) -> None:
     if result.kept:
-        folder.keep(job.row, folder.finished(job.row))
+        manifest = folder.finished(job.row)
+        if manifest is None:  # its files went away during the run
+            warnings.warn(f"skipped {job.path}: its earlier outputs were removed during the run; run again")
+            outcome.failed.append((Path(job.path).name, "outputs removed"))
+            return
+        folder.keep(job.row, manifest)
         outcome.kept += 1
         return
     folder.commit(job.row, Path(job.path), result.rows, result.sha256)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -171,7 +172,6 @@ class Executor:
     """The interface :func:`open_executor` yields; see the module docstring."""
 
     dashboard: str | None = None  # the Dask dashboard's address, when there is one
-    workers: int = 1
 
     def broadcast(self, value):
         """A handle to ``value`` for every unit to take as an argument (sent to each worker once)."""
@@ -216,11 +216,14 @@ class SerialExecutor(Executor):
 
 
 class DaskExecutor(Executor):
-    def __init__(self, client):
+    def __init__(self, client, local: bool):
+        import importlib.util
+
         self.client = client
-        info = client.scheduler_info()
-        self.workers = max(len(info.get("workers", {})), 1)
-        self.dashboard = client.dashboard_link if "dashboard" in info.get("services", {}) else None
+        served = "dashboard" in client.scheduler_info().get("services", {})
+        # Without bokeh a scheduler started here serves only a page asking for it; a remote one may have it.
+        if served and (not local or importlib.util.find_spec("bokeh") is not None):
+            self.dashboard = client.dashboard_link
 
     def broadcast(self, value):
         # A task that returns the value, not scattered data: if every worker holding it dies, Dask makes it
@@ -292,7 +295,8 @@ def open_executor(spec: SchedulerSpec, *, worker_memory: str | None = None, slur
                 cluster = SLURMCluster(**kwargs)
                 cluster.scale(jobs=options.jobs)
                 client = Client(cluster)
-                client.wait_for_workers(1)  # the model is sent to the workers there are: wait for one
+                print(f"waiting for the first of {options.jobs} SLURM worker job(s) to start", file=sys.stderr)
+                client.wait_for_workers(1)
             else:
                 try:
                     client = Client(spec.address, timeout=CONNECT_TIMEOUT_S)
@@ -302,7 +306,7 @@ def open_executor(spec: SchedulerSpec, *, worker_memory: str | None = None, slur
                                      f"{CONNECT_TIMEOUT_S} s ({reason}): start one (dask scheduler) or check the "
                                      "address") from None
             try:
-                yield DaskExecutor(client)
+                yield DaskExecutor(client, local=cluster is not None)
             finally:
                 client.close()
         finally:

@@ -37,7 +37,7 @@ from .sources import ChunkedSource
 from .tiles import TileGrid
 from .writers import ZarrOutput, zarr_to_tiff
 
-__all__ = ["OUT_FORMATS", "StreamLayout", "StreamResult", "segment_to_files"]
+__all__ = ["OUT_FORMATS", "StreamLayout", "StreamResult", "passes", "segment_to_files"]
 
 OUT_FORMATS = ("ome-zarr", "bigtiff")
 
@@ -61,6 +61,18 @@ def _display(src, core) -> np.ndarray:
         region = src.image.read(*core, src.plane)
         return scale_to_range(region, 0.0, float(np.iinfo(src.image.dtype).max), src.name, colour=True)
     return src.read(*core)
+
+
+def passes(shape, tile: int, halo: int, crf: bool, modal: int) -> list[tuple[str, TileGrid]]:
+    """The passes over an image in order, (name, tile grid): the classifier (tiles with the features'
+    halo), the CRF (its overlap) and the modal filter (its half-window); every grid's cores are the
+    outputs' chunks."""
+    steps = [("classify", TileGrid(shape, tile, halo))]
+    if crf:
+        steps.append(("crf", TileGrid(shape, tile, CRF_OVERLAP)))
+    if modal:
+        steps.append(("modal", TileGrid(shape, tile, modal // 2)))
+    return steps
 
 
 @dataclass
@@ -119,18 +131,7 @@ class StreamLayout:
         return [self.staging / f"proba_{n}.zarr" for n in names]
 
     def steps(self) -> list[tuple[str, TileGrid]]:
-        """The passes in order, (name, tile grid): the classifier (tiles with the features' halo), the
-        CRF (its overlap) and the modal filter (its half-window); every grid's cores are the outputs' chunks."""
-        steps = [("classify", TileGrid(self.shape, self.tile, self.halo))]
-        if self.crf:
-            steps.append(("crf", TileGrid(self.shape, self.tile, CRF_OVERLAP)))
-        if self.modal:
-            steps.append(("modal", TileGrid(self.shape, self.tile, self.modal // 2)))
-        return steps
-
-    def units(self) -> int:
-        """Tiles over all passes, plus one for :meth:`finish`."""
-        return sum(len(grid) for _, grid in self.steps()) + 1
+        return passes(self.shape, self.tile, self.halo, self.crf, self.modal)
 
     def final_paths(self) -> list[Path]:
         """The files (and OME-Zarr folders) :meth:`finish` leaves, in a fixed order."""
@@ -232,12 +233,13 @@ def segment_to_files(seg, image, folder, stem: str, out_format: str = "ome-zarr"
         return run_layout(seg, src, layout, progress=progress)
 
 
-def run_layout(seg, src, layout: StreamLayout, progress: bool = False, on_tile=None) -> StreamResult:
+def run_layout(seg, src, layout: StreamLayout, progress: bool = False) -> StreamResult:
     """Every pass of ``layout`` in this process, tile after tile, then :meth:`StreamLayout.finish`;
-    on any failure (or an interrupt) what was written is removed. ``on_tile()`` is called per tile."""
+    on any failure (or an interrupt) what was written is removed."""
     counts = np.zeros(len(layout.classes), np.int64)
     steps = layout.steps()
-    bar = tqdm(total=layout.units() - 1, desc=f"{layout.stem} tiles", disable=not progress, leave=False)
+    bar = tqdm(total=sum(len(grid) for _, grid in steps), desc=f"{layout.stem} tiles", disable=not progress,
+               leave=False)
     try:
         layout.create()
         for step, (_, grid) in enumerate(steps):
@@ -246,8 +248,6 @@ def run_layout(seg, src, layout: StreamLayout, progress: bool = False, on_tile=N
                 if tile_counts is not None:
                     counts += tile_counts
                 bar.update()
-                if on_tile is not None:
-                    on_tile()
         paths = layout.finish()
     except BaseException:  # a damaged tile, a full disk, an interrupt: no half-written outputs
         layout.discard()
