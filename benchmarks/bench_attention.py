@@ -5,11 +5,12 @@ and patch 14, images of 224/518/1022/2072 px give N = 261, 1374, 5334, 21909 tok
 batch per size is ``B = max(1, round(tokens / N))`` (``--tokens``, default 65536), so every
 size moves about the same number of tokens and fills the GPU.
 
-Per (model, size, mode, slopes) every backend first passes a correctness check: output and
-gradients (q, k, v, and the slopes when learned) of one batch element and two heads against an
-fp32 reference (explicit softmax, with the materialised bias for biased backends, without for the
-bias-free baselines), as max |error| / max |reference| under a dtype threshold
-(``TOLERANCE``); a backend that fails is reported as ``wrong`` and not timed. Then it records:
+Per (model, size, mode, slopes) every backend first passes a correctness check on the call it is
+timed with (same shapes, so compiled and autotuned kernels are the timed ones): output and gradients
+(q, k, v, and the slopes when learned; the upstream gradient is zero outside the slice) of one batch
+element and two heads against an fp32 reference (explicit softmax, with the materialised bias for
+biased backends, without for the bias-free baselines), as max |error| / max |reference| under a dtype
+threshold (``TOLERANCE``); a backend that fails is reported as ``wrong`` and not timed. Then it records:
 
 - time: ``triton.testing.do_bench`` medians with 20/80% quantiles, in ``--repeats`` rounds that
   interleave the backends (round r times every backend once), so drift in clocks or temperature
@@ -23,28 +24,34 @@ bias-free baselines), as max |error| / max |reference| under a dtype threshold
   ``extra_mib``, the peak of a later call above the memory before the first (resident caches
   included, their one-time float64 build not);
 - ``kernel``: the CUDA kernels a call launched whose names say which attention kernel ran
-  (flash, cuDNN, memory-efficient, Triton), from the torch profiler, for every SDPA row.
+  (flash, cuDNN, memory-efficient, the fused ``_alibi_*`` kernels), from the torch profiler, for
+  every SDPA and triton row.
 
 Slopes (``--slopes``): ``constant`` (``slopes=None``: slope 1 for all heads, the paper's choice),
 ``per-head`` (the ALiBi geometric sequence, fixed) and ``learned`` (the same, requiring a gradient:
 forward+backward also computes dL/dslope). Bias-free backends run once per size and mode.
 
-Backends: ``triton`` (fused kernel, difference-table bias), ``triton-atomic-dq`` (the same with the
-opt-in atomic dQ backward), ``triton-sqrt`` (fused kernel, per-element sqrt), ``triton-nobias``
-(the same fused kernels with the bias compiled out: the like-for-like ceiling), ``flex``
-(FlexAttention with the score_mod, compiled with ``mode="max-autotune-no-cudagraphs"`` so it is
-tuned like the autotuned Triton kernels), ``flex-flash`` (the same with flex's FLASH backend,
-where the installed torch has it), ``flex-nobias`` (flex without score_mod), ``sdpa-bias`` (SDPA
-with the materialised (N, N) bias), ``sdpa-nobias`` (SDPA without bias), each SDPA also pinned to
-one kernel (``sdpa-nobias-flash``, ``-cudnn``, ``-efficient``; ``sdpa-bias-cudnn``,
+Backends: ``triton`` (fused kernel, difference-table bias, the backward kernels.alibi_triton
+picks by default), ``triton-atomic-dq`` and ``triton-two-kernel`` (the same forced to the atomic-dQ
+or to the deterministic two-kernel backward), ``triton-sqrt`` (fused kernel, per-element sqrt),
+``triton-nobias`` (the same fused kernels with the bias compiled out: the like-for-like ceiling),
+``flex`` (FlexAttention with the sqrt score_mod) and ``flex-table`` (with the difference-table
+gather score_mod), both compiled with ``mode="max-autotune-no-cudagraphs"`` so they are tuned like
+the autotuned Triton kernels, ``flex-flash`` (the sqrt score_mod on flex's FLASH backend, where the
+installed torch and flash-attn-4 have it), ``flex-nobias`` (flex without score_mod), ``sdpa-bias``
+(SDPA with the materialised (N, N) bias), ``sdpa-nobias`` (SDPA without bias), each SDPA also
+pinned to one kernel (``sdpa-nobias-flash``, ``-cudnn``, ``-efficient``; ``sdpa-bias-cudnn``,
 ``-efficient``), and ``eager`` (explicit softmax, where it fits). A backend the device, dtype or
 torch lacks is reported as an error row; out-of-memory as "OOM".
 
-Results go to ``benchmarks/results/attention_<device-slug>.{md,json}``.
+Results go to ``benchmarks/results/attention_<device-slug>[_<tag>].{md,json}`` (``--out-dir``,
+``--tag``), rewritten after every (model, size, mode, slopes) group and marked incomplete until the
+run ends, so a run stopped by a time limit keeps what it measured.
 
     python benchmarks/bench_attention.py                      # full sweep, bf16
     python benchmarks/bench_attention.py --models vit-s --sizes 518 --modes fwd
     python benchmarks/bench_attention.py --smoke              # CPU, tiny shapes: checks the script runs
+    python benchmarks/bench_attention.py --smoke --backends triton flex flex-table --modes fwd  # Flex: eager, fwd
 """
 
 from __future__ import annotations
@@ -70,12 +77,15 @@ SIZES = (224, 518, 1022, 2072)
 SDPA_PINNED = {"sdpa-nobias-flash": "FLASH_ATTENTION", "sdpa-nobias-cudnn": "CUDNN_ATTENTION",
                "sdpa-nobias-efficient": "EFFICIENT_ATTENTION", "sdpa-bias-cudnn": "CUDNN_ATTENTION",
                "sdpa-bias-efficient": "EFFICIENT_ATTENTION"}
-TRITON_VARIANTS = ("triton", "triton-atomic-dq", "triton-sqrt", "triton-nobias")
-FLEX_VARIANTS = ("flex", "flex-flash", "flex-nobias")
+TRITON_VARIANTS = ("triton", "triton-atomic-dq", "triton-two-kernel", "triton-sqrt", "triton-nobias")
+FLEX_VARIANTS = ("flex", "flex-table", "flex-flash", "flex-nobias")
 BACKENDS = (*TRITON_VARIANTS, *FLEX_VARIANTS, "sdpa-bias", "sdpa-nobias", *SDPA_PINNED, "eager")
 NOBIAS = ("triton-nobias", "flex-nobias", "sdpa-nobias", "sdpa-nobias-flash", "sdpa-nobias-cudnn",
           "sdpa-nobias-efficient")
 SMOKE_BACKENDS = ("triton", "triton-atomic-dq", "triton-nobias", "sdpa-bias", "sdpa-nobias", "eager")
+# What --smoke can run on the CPU when --backends names it: Flex eagerly and forward only (torch has no CPU
+# flex backward); not the SDPA kernels pinned to CUDA implementations.
+SMOKE_CAPABLE = (*TRITON_VARIANTS, "flex", "flex-table", "flex-nobias", "sdpa-bias", "sdpa-nobias", "eager")
 MODES = ("fwd", "fwd+bwd")
 SLOPES = ("constant", "per-head", "learned")
 PATCH, PREFIX, HEAD_DIM = 14, 5, 64
@@ -99,6 +109,7 @@ def parse_args(argv=None):
     p.add_argument("--no-cudagraph", action="store_true", help="skip the CUDA-graph timing")
     p.add_argument("--out-dir", type=Path, default=None,
                    help="where the .md and .json go (default: benchmarks/results/, smoke runs: benchmarks/results/smoke/)")
+    p.add_argument("--tag", default=None, help="appended to the results' name: attention_<device>_<tag>.{md,json}")
     p.add_argument("--smoke", action="store_true",
                    help="CPU only, tiny shapes, eager/sdpa/triton (interpreter), fp32: checks that the script runs")
     return p.parse_args(argv)
@@ -114,28 +125,31 @@ def alibi_slopes(heads):
 _FLEX = {}
 
 
-def _flex_compiled(variant):
-    """flex_attention compiled by the benchmark with its own autotuning: "bias" (the project's score_mod),
-    "flash" (the same with flex's FLASH backend), "nobias" (no score_mod)."""
+def _flex_compiled(variant, compile=True):
+    """flex_attention as the benchmark runs it, compiled with its own autotuning (eagerly on a smoke run's
+    CPU): "bias" (the sqrt score_mod), "table" (the difference-table score_mod), "flash" (the sqrt score_mod on
+    flex's FLASH backend), "nobias" (no score_mod)."""
     import torch
 
     if variant not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
-        from kernels.alibi_flex import _alibi_flex
+        from kernels.alibi_flex import _alibi_flex, _alibi_flex_table
 
         if variant == "nobias":
             fn = lambda q, k, v: flex_attention(q, k, v)  # noqa: E731
         elif variant == "flash":
             def fn(q, k, v, head_scale, h, w, prefix, wrap):
                 return _alibi_flex(q, k, v, head_scale, h, w, prefix, wrap, kernel_options={"BACKEND": "FLASH"})
+        elif variant == "table":
+            fn = _alibi_flex_table
         else:
             fn = _alibi_flex
-        _FLEX[variant] = torch.compile(fn, dynamic=False, mode="max-autotune-no-cudagraphs")
+        _FLEX[variant] = torch.compile(fn, dynamic=False, mode="max-autotune-no-cudagraphs") if compile else fn
     return _FLEX[variant]
 
 
-def backend_fns(names, grid, slopes=None):
+def backend_fns(names, grid, compile_flex=True):
     """name -> f(q, k, v, slopes) for the requested backends (imports lazily: triton reads its env on import).
     ``slopes`` (heads,) or None is passed per call, so learned slopes receive a gradient."""
     import torch
@@ -157,10 +171,18 @@ def backend_fns(names, grid, slopes=None):
 
             def fn(q, k, v, s, _v="flash" if name == "flex-flash" else "bias"):
                 scale = (torch.ones(q.shape[1], device=q.device) if s is None else s.float()) * norm
-                return _flex_compiled(_v)(q, k, v, scale, grid[0], grid[1], PREFIX, True)
+                return _flex_compiled(_v, compile_flex)(q, k, v, scale, grid[0], grid[1], PREFIX, True)
+            fns[name] = fn
+        elif name == "flex-table":
+            from kernels.alibi_flex import table_arguments
+
+            def fn(q, k, v, s):
+                scale = torch.ones(q.shape[1], device=q.device) if s is None else s.float()
+                return _flex_compiled("table", compile_flex)(q, k, v, scale,
+                                                             *table_arguments(grid, PREFIX, True, True, q.device))
             fns[name] = fn
         elif name == "flex-nobias":
-            fns[name] = lambda q, k, v, s: _flex_compiled("nobias")(q, k, v)
+            fns[name] = lambda q, k, v, s: _flex_compiled("nobias", compile_flex)(q, k, v)
         elif name == "sdpa-bias":
             fns[name] = lambda q, k, v, s: sdpa_alibi_attention(q, k, v, grid, PREFIX, s, True, True)
         elif name == "sdpa-nobias":
@@ -184,14 +206,15 @@ def backend_fns(names, grid, slopes=None):
 
 
 def backend_context(name):
-    """The context a backend's calls (backward included) run in: atomic dQ on for ``triton-atomic-dq``, off
-    for the other triton variants, the bias compiled out for ``triton-nobias``, nothing for the rest."""
+    """The context a backend's calls (backward included) run in: atomic dQ on for ``triton-atomic-dq``, off for
+    ``triton-two-kernel``, the default choice for the other triton variants, the bias compiled out for
+    ``triton-nobias``, nothing for the rest."""
     if name not in TRITON_VARIANTS:
         return contextlib.nullcontext()
     from kernels.alibi_triton import atomic_dq, bias_compiled_out
 
     stack = contextlib.ExitStack()
-    stack.enter_context(atomic_dq(name == "triton-atomic-dq"))
+    stack.enter_context(atomic_dq({"triton-atomic-dq": True, "triton-two-kernel": False}.get(name)))
     if name == "triton-nobias":
         stack.enter_context(bias_compiled_out())
     return stack
@@ -202,36 +225,38 @@ def relative_error(got, ref):
 
 
 def check(name, fn, q, k, v, slopes, grid, dout, with_grad, dtype_name):
-    """Max relative error of output and gradients of one batch element and two heads against an fp32
-    explicit-softmax reference; returns (worst error, per-tensor errors)."""
+    """Max relative error of the output and gradients of one batch element and two heads of the timed call
+    (the full inputs) against an fp32 explicit-softmax reference on that slice; the upstream gradient is
+    zero elsewhere, so the slopes' gradient is the slice's too. Returns (worst error, per-tensor errors)."""
     import torch
 
     from kernels.alibi_bias import alibi_bias
 
     sl = (lambda t: t[:1, :2].detach())  # noqa: E731
-    qs, ks, vs, ds = sl(q), sl(k), sl(v), sl(dout)
-    s = None if slopes is None else slopes[:2].detach().clone().requires_grad_(slopes.requires_grad)
-    leaves = [t.clone().requires_grad_(with_grad) for t in (qs, ks, vs)]
-    ref_leaves = [t.float().clone().requires_grad_(with_grad) for t in (qs, ks, vs)]
-    s_ref = None if s is None else s.detach().float().clone().requires_grad_(s.requires_grad)
+    leaves = [t.detach().clone().requires_grad_(with_grad) for t in (q, k, v)]
+    s = None if slopes is None else slopes.detach().clone().requires_grad_(slopes.requires_grad)
+    ref_leaves = [sl(t).float().clone().requires_grad_(with_grad) for t in (q, k, v)]
+    s_ref = None if s is None else s[:2].detach().float().clone().requires_grad_(s.requires_grad)
     with backend_context(name), torch.set_grad_enabled(with_grad):
         out = fn(*leaves, s)
-        scores = ref_leaves[0] @ ref_leaves[1].transpose(-2, -1) / math.sqrt(qs.shape[-1])
+        scores = ref_leaves[0] @ ref_leaves[1].transpose(-2, -1) / math.sqrt(q.shape[-1])
         if name not in NOBIAS:
             bias = alibi_bias(grid, PREFIX, wrap=True, normalize=True, device=q.device, dtype=torch.float32)
             m = torch.ones(2, device=q.device) if s_ref is None else s_ref
             scores = scores + m.view(1, -1, 1, 1) * bias
         ref = scores.softmax(-1) @ ref_leaves[2]
-        errors = {"out": relative_error(out, ref)}
+        errors = {"out": relative_error(sl(out), ref)}
         if with_grad:
             inputs, ref_inputs = list(leaves), list(ref_leaves)
             if s is not None and s.requires_grad and name not in NOBIAS:
                 inputs.append(s)
                 ref_inputs.append(s_ref)
-            grads = torch.autograd.grad(out, inputs, ds)
-            ref_grads = torch.autograd.grad(ref, ref_inputs, ds.float())
+            upstream = torch.zeros_like(dout)
+            upstream[:1, :2] = dout[:1, :2]
+            grads = torch.autograd.grad(out, inputs, upstream)
+            ref_grads = torch.autograd.grad(ref, ref_inputs, sl(dout).float())
             for label, g, r in zip(("dq", "dk", "dv", "dslopes"), grads, ref_grads):
-                errors[label] = relative_error(g, r)
+                errors[label] = relative_error(g[:2] if label == "dslopes" else sl(g), r)
     return max(errors.values()), {key: round(val, 6) for key, val in errors.items()}
 
 
@@ -242,7 +267,7 @@ def attention_kernels(call):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         call()
     names = {e.key for e in prof.key_averages()}
-    keys = ("flash", "fmha", "cudnn", "efficient", "mem_eff", "attention", "triton", "sdpa")
+    keys = ("flash", "fmha", "cudnn", "efficient", "mem_eff", "attention", "triton", "sdpa", "alibi")
     return sorted(n for n in names if any(k in n.lower() for k in keys))[:6]
 
 
@@ -275,7 +300,8 @@ def _error_status(exc):
     return f"error: {type(exc).__name__}: {first_line}"
 
 
-def run(args):
+def run(args, progress=lambda rows: None):
+    """Every row of the sweep; ``progress(rows)`` after each (model, size, mode, slopes) group."""
     import torch
 
     from kernels.alibi_bias import cached_alibi_bias
@@ -285,7 +311,7 @@ def run(args):
     dtype_name = "float32" if args.smoke else args.dtype
     names = args.backends or (SMOKE_BACKENDS if args.smoke else BACKENDS)
     if args.smoke:
-        names = [n for n in names if n in SMOKE_BACKENDS]
+        names = [n for n in names if n in SMOKE_CAPABLE]
         models = {"tiny": 2}
         sizes, head_dim, batch_of = (70,), 32, (lambda n: 2)
         timer, repeats = cpu_timer, 1
@@ -307,7 +333,7 @@ def run(args):
             # recompile limit and time flex's unfused eager fallback instead.
             torch._dynamo.reset()
             _FLEX.clear()
-            fns = backend_fns(names, grid)
+            fns = backend_fns(names, grid, compile_flex=not args.smoke)
             for mode in args.modes:
                 for slope_kind in args.slopes:
                     if slope_kind == "learned" and mode == "fwd":
@@ -316,8 +342,9 @@ def run(args):
                     learned = slope_kind == "learned"
                     entries, first = [], len(rows)
                     for name, fn in fns.items():
-                        if (mode == "fwd" and name == "triton-atomic-dq") or (name in NOBIAS and slope_kind != "constant"):
-                            continue  # atomic dQ's forward is triton's; bias-free backends ignore slopes
+                        if ((mode == "fwd" and name in ("triton-atomic-dq", "triton-two-kernel"))
+                                or (name in NOBIAS and slope_kind != "constant")):
+                            continue  # their forward is triton's; bias-free backends ignore slopes
                         row = dict(model=model, heads=heads, image_px=px, grid=list(grid), N=n, batch=bsz, mode=mode,
                                    slopes=slope_kind if name not in NOBIAS else None, backend=name, ms=None,
                                    ms_p20=None, ms_p80=None, ms_rounds=[], ms_cudagraph=None, cudagraph_status=None,
@@ -394,6 +421,7 @@ def run(args):
                               f"{row['tflops'] if row['tflops'] is not None else '-':>8} TFLOP/s  "
                               f"extra {row['extra_mib'] if row['extra_mib'] is not None else '-'} MiB  "
                               f"{row['status']}", flush=True)
+                    progress(rows)
                     if device == "cuda":
                         cached_alibi_bias.cache_clear()
                         torch.cuda.empty_cache()
@@ -416,14 +444,19 @@ def ratios(rows):
     for model, px, mode, slopes in groups:
         def get(backend, _s=slopes):
             return keyed.get((model, px, mode, None if backend in NOBIAS else _s, backend))
-        for variant in ("triton", "triton-atomic-dq", "triton-sqrt"):
+        for variant in ("triton", "triton-atomic-dq", "triton-two-kernel", "triton-sqrt"):
             t = get(variant)
             if t is None:
                 continue
             entry = dict(model=model, image_px=px, mode=mode, slopes=slopes, triton_variant=variant)
-            for other in ("triton-nobias", "flex", "flex-flash", "sdpa-bias", "sdpa-nobias"):
+            for other in ("triton-nobias", "flex", "flex-table", "flex-flash", "sdpa-bias", "sdpa-nobias"):
                 o = get(other)
                 entry[f"speed_vs_{other}"] = round(o["ms"] / t["ms"], 3) if o else None
+            # Flex at its best: the faster of its biased variants.
+            flex = [get(b) for b in ("flex", "flex-table", "flex-flash") if get(b)]
+            best_flex = min(flex, key=lambda r: r["ms"]) if flex else None
+            entry["best_flex"] = best_flex and best_flex["backend"]
+            entry["speed_vs_best_flex"] = round(best_flex["ms"] / t["ms"], 3) if best_flex else None
             nobias = [get(b) for b in NOBIAS if b.startswith("sdpa-nobias") and get(b)]
             best = min(nobias, key=lambda r: r["ms"]) if nobias else None
             entry["best_sdpa_nobias"] = best and best["backend"]
@@ -442,7 +475,9 @@ def write_reports(args, rows, ratio_rows, meta):
              f"- command: `{meta['command']}`",
              f"- torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, python {meta['python']}",
              f"- dtype {meta['dtype']}, head_dim {meta['head_dim']}, prefix tokens {PREFIX}, patch {PATCH}, "
-             f"batch rule: {meta['batch_rule']}, {meta['repeats']} interleaved rounds",
+             f"batch rule: {meta['batch_rule']}, {meta['repeats']} interleaved rounds, triton launch configs "
+             f"{'autotuned' if meta.get('autotune', True) else 'pinned (ALIBI_TRITON_AUTOTUNE=0)'}",
+             *([] if meta.get("complete", True) else ["- **incomplete**: the run was still going or was stopped"]),
              "- ms: median over rounds of do_bench medians (p20-p80 beside it); graph ms: CUDA-graph replay "
              "(no host overhead). TFLOP/s counts 4·B·H·N²·D for the forward and 3.5× that for forward+backward. "
              "resident MiB: what a first call leaves allocated (materialised bias); extra MiB: steady-state peak "
@@ -465,16 +500,16 @@ def write_reports(args, rows, ratio_rows, meta):
     lines += ["", "Speed ratios (other backend's time / triton's time; > 1 means triton is faster) and memory "
               "(triton's extra MiB / the fastest bias-free SDPA kernel's):", "",
               "| model | px | mode | slopes | triton variant | vs triton-nobias | vs fastest sdpa-nobias (which) | "
-              "memory vs it | vs flex | vs flex-flash | vs sdpa-bias |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "memory vs it | vs fastest flex (which) | vs sdpa-bias |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for e in ratio_rows:
         lines.append(f"| {e['model']} | {e['image_px']} | {e['mode']} | {e['slopes']} | {e['triton_variant']} | "
                      f"{fmt(e['speed_vs_triton-nobias'], 3)} | {fmt(e['speed_vs_best_sdpa_nobias'], 3)} "
                      f"({e['best_sdpa_nobias'] or '-'}) | {fmt(e['memory_vs_best_sdpa_nobias'], 3)} | "
-                     f"{fmt(e['speed_vs_flex'], 3)} | {fmt(e['speed_vs_flex-flash'], 3)} | "
+                     f"{fmt(e['speed_vs_best_flex'], 3)} ({e['best_flex'] or '-'}) | "
                      f"{fmt(e['speed_vs_sdpa-bias'], 3)} |")
-    return write_report(args.out_dir, f"attention_{meta['device_slug']}",
-                        {**meta, "rows": rows, "ratios": ratio_rows}, lines, smoke=args.smoke)
+    name = f"attention_{meta['device_slug']}" + (f"_{args.tag}" if args.tag else "")
+    return write_report(args.out_dir, name, {**meta, "rows": rows, "ratios": ratio_rows}, lines, smoke=args.smoke)
 
 
 def main(argv=None):
@@ -493,11 +528,12 @@ def main(argv=None):
         dtype="float32" if args.smoke else args.dtype, head_dim=32 if args.smoke else HEAD_DIM,
         batch_rule="B = 2" if args.smoke else f"B = max(1, round({args.tokens} / N))",
         repeats=1 if args.smoke else max(1, args.repeats),
-        smoke=bool(args.smoke),
+        autotune=os.environ.get("ALIBI_TRITON_AUTOTUNE", "1") != "0",
+        smoke=bool(args.smoke), complete=False,
     )
-    rows = run(args)
-    ratio_rows = ratios(rows)
-    md, js = write_reports(args, rows, ratio_rows, meta)
+    rows = run(args, progress=lambda done: write_reports(args, done, ratios(done), meta))
+    meta["complete"] = True
+    md, js = write_reports(args, rows, ratios(rows), meta)
     print(f"wrote {md} and {js}")
     return 0
 

@@ -2,10 +2,17 @@
 
 ``torch.nn.attention.flex_attention`` applies a ``score_mod(score, b, h, q_idx, kv_idx)`` to
 every logit inside a fused kernel; ``score`` already carries the ``1/sqrt(head_dim)`` scale.
-The score_mod here rebuilds ``B`` from the token indices exactly as the spec states it
-(row/column from ``(idx - prefix) // w`` and ``% w``, per-axis wrap, Euclidean distance,
-normalisation, zero for prefix tokens) and adds ``m_h · B``; ``metric="manhattan"`` sums the
-two wrapped offsets instead of taking the Euclidean norm.
+Two score_mods give the same bias (``bias_mode``):
+
+* ``"sqrt"`` (default): rebuilds ``B`` from the token indices exactly as the spec states it
+  (row/column from ``(idx - prefix) // w`` and ``% w``, per-axis wrap, Euclidean distance,
+  normalisation, zero for prefix tokens) and adds ``m_h · B``; ``metric="manhattan"`` sums the
+  two wrapped offsets instead of taking the Euclidean norm.
+* ``"table"``: gathers ``B`` from the difference table the fused Triton kernel uses
+  (:func:`kernels.alibi_bias.device_bias_lookup`: per-token query codes ``a_i`` and negated key
+  codes ``-b_j``, ``B_ij = T[a_i - b_j]``, prefix codes landing in zeros), captured as tensors: one
+  gathered load and an add per logit instead of the integer divisions, wrap and ``sqrt``. It is the
+  fairest Flex rival of the fused kernel's own gather, and any metric is just another table.
 
 Execution:
 
@@ -29,11 +36,12 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from .alibi_bias import check_grid, check_metric, max_distance
+from .alibi_bias import check_grid, check_metric, device_bias_lookup, max_distance
 
-__all__ = ["flex_alibi_attention"]
+__all__ = ["BIAS_MODES", "flex_alibi_attention"]
 
-_COMPILED = None
+BIAS_MODES = ("sqrt", "table")
+_COMPILED = {}
 
 
 def _alibi_flex(q, k, v, head_scale, h: int, w: int, prefix: int, wrap: bool, manhattan: bool = False,
@@ -57,29 +65,51 @@ def _alibi_flex(q, k, v, head_scale, h: int, w: int, prefix: int, wrap: bool, ma
     return flex_attention(q, k, v, score_mod=score_mod, kernel_options=kernel_options)
 
 
-def _compiled():
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = torch.compile(_alibi_flex, dynamic=False)
-    return _COMPILED
+def _alibi_flex_table(q, k, v, head_scale, query_codes, key_codes, table, kernel_options=None):
+    # key_codes hold -b_j, so a_i + (-b_j) indexes the table (prefix codes land in its run of zeros).
+    def score_mod(score, b, head, q_idx, kv_idx):
+        bias = table[query_codes[q_idx] + key_codes[kv_idx]] * head_scale[head]
+        return score + bias.to(score.dtype)
+
+    return flex_attention(q, k, v, score_mod=score_mod, kernel_options=kernel_options)
 
 
-def flex_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, normalize, metric="euclidean"):
+def _compiled(bias_mode="sqrt"):
+    if bias_mode not in _COMPILED:
+        _COMPILED[bias_mode] = torch.compile(_alibi_flex_table if bias_mode == "table" else _alibi_flex, dynamic=False)
+    return _COMPILED[bias_mode]
+
+
+def table_arguments(grid_size, num_prefix_tokens, wrap, normalize, device, metric="euclidean"):
+    """(query codes, negated key codes, table) of the table score_mod: int32 (N,), int32 (N,), fp32, cached
+    per grid (:func:`kernels.alibi_bias.device_bias_lookup`); the table holds ``B`` itself, normalised."""
+    h, w = check_grid(grid_size)
+    n = int(num_prefix_tokens) + h * w
+    codes, table, _, _ = device_bias_lookup(h, w, int(num_prefix_tokens), bool(wrap), bool(normalize), True,
+                                            torch.device(device), metric)
+    return codes[0, :n], codes[1, :n], table
+
+
+def flex_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, normalize, metric="euclidean",
+                         bias_mode="sqrt"):
     """Attention with the 2D ALiBi bias through FlexAttention.
 
     Same contract as :func:`kernels.alibi_attention`: (B, heads, N, head_dim) in and out,
-    ``slopes`` of shape (heads,) or None (slope 1, no gradient); ``metric`` "euclidean" or "manhattan".
+    ``slopes`` of shape (heads,) or None (slope 1, no gradient); ``metric`` "euclidean" or "manhattan";
+    ``bias_mode`` "sqrt" (the bias from token indices) or "table" (gathered from a difference table).
     """
     if not q.is_floating_point():
         raise ValueError(f"the flex backend needs floating-point inputs, got {q.dtype}")
     if q.shape[-1] < 16:
         raise ValueError(f"the flex backend needs head_dim >= 16, got {q.shape[-1]}")
+    if bias_mode not in BIAS_MODES:
+        raise ValueError(f"bias_mode must be one of {BIAS_MODES}, got {bias_mode!r}")
     h, w = check_grid(grid_size)
     prefix = int(num_prefix_tokens)
     manhattan = check_metric(metric) == "manhattan"
     d_max = max_distance((h, w), wrap, metric)
-    # A 1×1 grid has d_max = 0 and d̂ = 0 by definition.
-    norm_scale = (1.0 / d_max if d_max > 0 else 0.0) if normalize else 1.0
+    # A 1×1 grid has d_max = 0 and d̂ = 0 by definition. The table holds d̂ already.
+    norm_scale = (1.0 / d_max if d_max > 0 else 0.0) if normalize and bias_mode == "sqrt" else 1.0
     # slope·(1/d_max) per head as one captured fp32 tensor: a float in the closure would turn into
     # a symbolic float when flex's internal compile sees a second value, which flex rejects.
     # Autograd carries the gradient of head_scale back to learned slopes.
@@ -87,11 +117,16 @@ def flex_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, no
         head_scale = torch.full((q.shape[1],), norm_scale, device=q.device, dtype=torch.float32)
     else:
         head_scale = slopes.to(torch.float32) * norm_scale
+    if q.device.type != "cuda" and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, slopes)):
+        raise ValueError("the flex backend has no backward on the CPU (a torch limitation); use backend='eager' "
+                         "or 'sdpa' for training on the CPU")
+    if bias_mode == "table":
+        tables = table_arguments((h, w), prefix, wrap, normalize, q.device, metric)
+        run = _compiled("table") if q.device.type == "cuda" else _alibi_flex_table
+        return run(q, k, v, head_scale, *tables)
     if q.device.type == "cuda":
         if manhattan:  # its own compiled variant; the Euclidean call is unchanged
             return _compiled()(q, k, v, head_scale, h, w, prefix, bool(wrap), True)
         return _compiled()(q, k, v, head_scale, h, w, prefix, bool(wrap))
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, slopes)):
-        raise ValueError("the flex backend has no backward on the CPU (a torch limitation); use backend='eager' "
-                         "or 'sdpa' for training on the CPU")
     return _alibi_flex(q, k, v, head_scale, h, w, prefix, bool(wrap), manhattan)

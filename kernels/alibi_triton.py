@@ -38,16 +38,18 @@ The bias is derived per tile, never materialised. Two interchangeable ways (``bi
   the compiler is told with ``max_contiguous``/``multiple_of`` hints. With one slope for all heads
   each call scales the pair table by ``m·log2(e)`` (``TABLE == 1``); with a slope per head the
   kernels gather from the cached unscaled table and multiply by their head's ``m_h·log2(e)``
-  (``TABLE == 2``), so no per-head table is built per call. Each program turns the codes of its
+  (``TABLE == 2``), so no per-head table is built per call; the backward kernels then form
+  ``m_h·log2(e)·B - lse`` first, so the bias costs two FFMAs per element, not FMUL, FFMA and FADD.
+  Each program turns the codes of its
   resident tile into pointers once, outside its loop (``Tbl + 2·a_i``, or ``Tbl + 2·(-b_j)`` in the
   dK/dV kernel). Per element pair that leaves one 64-bit add for the address, one 8-byte gathered
   load from a table that stays in L1/L2, and one add into the logits each — no abs/min/sqrt — which
   matters because at head_dim 64 the MUFU unit is already as busy with ``exp2`` as the tensor cores
   are with the two matmuls. The slope gradient (learned slopes only) needs ``B`` itself: the
   ``TABLE == 2`` kernels gather it anyway, a single learned slope gathers it from the
-  unscaled table as well. With one slope for every head (``slopes=None``, the default) the bias
-  is the same for all heads: forward and dQ programs then compute two heads (``HEAD_PAIR``) and
-  each gathered value serves both (16-bit inputs, head_dim <= 64, even head counts).
+  unscaled table as well. ``B`` itself is the same for all heads: forward and dQ programs compute
+  two heads (``HEAD_PAIR``), each gathered value serves both, each head applying its own factor
+  (16-bit inputs, head_dim <= 64, even head counts).
 * ``"sqrt"``: rows and columns per token, then ``|Δ|``, wrap, ``sqrt`` per element. No
   gathered loads, but ~12 ALU ops and a second MUFU op per element. A reference only, never
   the default (``ALIBI_TRITON_BIAS=sqrt`` or ``bias_mode="sqrt"``): compiled for sm_90 it issues
@@ -56,8 +58,8 @@ The bias is derived per tile, never materialised. Two interchangeable ways (``bi
 Codes / rows / columns per token are precomputed once per grid as an int32 (2, N) array, so
 the kernels do no integer division in their inner loops.
 
-Backward (non-causal; by default without atomics, so bitwise deterministic for a given block
-configuration):
+Backward (non-causal), in one of two forms. The two-kernel form runs without atomics, so it is
+bitwise deterministic for a given block configuration:
 
 1. ``Δ_i = Σ_d O_id·dO_id`` (preprocess kernel), written with a copy of lse into rows padded to a
    multiple of CODE_PAD (lse = +inf, Δ = 0 past N), so the other kernels load both without masks.
@@ -69,15 +71,21 @@ configuration):
 3. dQ kernel: a program keeps one query tile and loops over key tiles: ``dQ += dS K · scale``.
    Skipped entirely when q needs no gradient.
 
-Opt-in atomic dQ (``ALIBI_TRITON_ATOMIC_DQ=1``; ignored under
-``torch.use_deterministic_algorithms(True)``): the dK/dV kernel also forms each tile's ``dS K`` and
-adds it into an fp32 dQ buffer with atomic adds, and step 3 is skipped — five matmuls per tile pair
-instead of seven, no second pass over QKᵀ, exp and the bias, at the price of an fp32 (B, heads, N, D)
-buffer and a summation order (so dQ's last bits) that varies from run to run.
+The atomic-dQ form: the dK/dV kernel also forms each tile's ``dS K`` and adds it into an fp32 dQ
+buffer with atomic adds, and step 3 is skipped — five matmuls per tile pair instead of seven, no
+second pass over QKᵀ, exp and the bias, at the price of an fp32 (B, heads, N, D) buffer and a
+summation order (so dQ's last bits) that varies from run to run. It is the default for 16-bit inputs
+with head_dim <= 64, where the SASS proxy puts its serial bound at about 0.8x the two-kernel form's
+for every slope kind without spills (:func:`atomic_dq_default`); at head_dim 128 its dK/dV kernel
+spills, so the two-kernel form stays. ``ALIBI_TRITON_ATOMIC_DQ=0`` (or :func:`atomic_dq` ``(False)``)
+selects the two-kernel form everywhere, ``=1`` the atomic one; ``torch.use_deterministic_algorithms(True)``
+always gets the two-kernel form.
 
 Static cost (``benchmarks/bench_kernel_sass.py``): every kernel has a constexpr ``HAS_BIAS``
 (default True) that compiles the bias out; the benchmark compiles both for sm_90 without a GPU
-and compares SASS instructions per score, registers, spills and CTAs per SM like for like.
+and compares SASS instructions per score, registers, spills and CTAs per SM like for like, for
+constant, per-head and learned slopes. Launch configs that ptxas would fill to its 255-register
+limit carry a ``maxnreg`` cap under which they compile to the same loop without spills.
 
 Inputs: inside ``torch.autocast`` the op runs in the autocast dtype (like SDPA). fp32 inputs use
 exact fp32 products under ``torch.get_float32_matmul_precision() == "highest"`` (a correctness
@@ -88,13 +96,15 @@ O(heads·h·w) tables — all O(N). Inputs may have any strides (e.g. q, k, v as
 qkv projection); ``O`` and the gradients are written in (B, N, heads, D) memory order, so a
 following ``transpose(1, 2).reshape(B, N, heads·D)`` is free.
 
-Determinism and autotuning: by default every kernel writes its outputs exactly once (no atomics,
-no split reductions), so repeated calls in one process are bitwise identical. With autotuning on
-(the default on GPU) the chosen block sizes can differ between processes or machines, and
-with them the summation order; ``ALIBI_TRITON_AUTOTUNE=0`` pins one configuration per
-head_dim for bitwise reproducibility across runs. Tuning is keyed by the power-of-two bucket of N
-(:func:`n_bucket`), not N itself, and its results are cached on disk across processes. Under
-``TRITON_INTERPRET=1`` a single small configuration is used so CPU tests stay fast.
+Determinism and autotuning: the forward and the two-kernel backward write every output exactly once
+(no atomics, no split reductions), so repeated calls in one process are bitwise identical; the
+atomic-dQ backward is so for dK, dV and the slopes, not dQ. With autotuning on (the default on GPU)
+the chosen block sizes can differ between processes or machines, and with them the summation order;
+``ALIBI_TRITON_AUTOTUNE=0`` pins one configuration per kernel and call class for bitwise
+reproducibility across runs. Tuning is keyed by the power-of-two buckets of N (:func:`n_bucket`) and
+of batch·heads (:func:`work_bucket`), the slope kind, the bias (so the bias-free benchmark baseline
+tunes on its own) and the backward's form, and its results are cached on disk across processes.
+Under ``TRITON_INTERPRET=1`` a single small configuration is used so CPU tests stay fast.
 
 The op is registered with ``torch.library`` (``alibi_vit::alibi_attention_fwd`` and
 ``alibi_vit::alibi_attention_bwd`` with fake implementations and an autograd formula), so
@@ -113,10 +123,11 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_interpreter
 from .alibi_bias import CODE_PAD, check_grid, check_metric, device_bias_lookup
 
-__all__ = ["BIAS_MODES", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "atomic_dq", "atomic_dq_enabled",
-           "triton_alibi_attention"]
+__all__ = ["BIAS_MODES", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "atomic_dq", "atomic_dq_default",
+           "atomic_dq_enabled", "triton_alibi_attention"]
 
 LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
@@ -128,8 +139,15 @@ TAIL_N = tl.constexpr(16)
 _MAX_GRID_YZ = 65535
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if _INTERPRET:
+    triton_interpreter.patch()  # Triton 3.6's interpreter with numpy >= 2.4
 _AUTOTUNE = os.environ.get("ALIBI_TRITON_AUTOTUNE", "1") != "0"
-_ATOMIC_DQ = os.environ.get("ALIBI_TRITON_ATOMIC_DQ", "0") == "1"
+# ALIBI_TRITON_ATOMIC_DQ: "auto" (the measured default, atomic_dq_default), "1" always, "0" never.
+_ATOMIC_DQ_SETTINGS = {"auto": None, "1": True, "0": False}
+_ATOMIC_DQ_SETTING = os.environ.get("ALIBI_TRITON_ATOMIC_DQ", "auto")
+if _ATOMIC_DQ_SETTING not in _ATOMIC_DQ_SETTINGS:
+    raise ValueError(f"ALIBI_TRITON_ATOMIC_DQ must be one of {tuple(_ATOMIC_DQ_SETTINGS)}, got {_ATOMIC_DQ_SETTING!r}")
+_ATOMIC_DQ = _ATOMIC_DQ_SETTINGS[_ATOMIC_DQ_SETTING]
 _HAS_BIAS = True  # False only inside bias_compiled_out() (a benchmark baseline)
 DEFAULT_BIAS_MODE = os.environ.get("ALIBI_TRITON_BIAS", "table")
 if DEFAULT_BIAS_MODE not in BIAS_MODES:
@@ -140,52 +158,65 @@ if DEFAULT_BIAS_MODE not in BIAS_MODES:
 # Launch configurations
 # --------------------------------------------------------------------------------------------
 
-def _cfg(block_m, block_n, warps, stages):
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+def _cfg(block_m, block_n, warps, stages, maxnreg=None):
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages,
+                         maxnreg=maxnreg)
 
 
 # Launch configs per kernel and call class, in order of preference: with ALIBI_TRITON_AUTOTUNE=0
 # the first is used. A call's class is (head_dim <= 64 ? "small" : "large", bias mode), or "fp32"
-# for fp32 inputs. In the backward kernels BLOCK_N is the resident key tile of the dK/dV kernel
-# and BLOCK_M the resident query tile of the dQ kernel. Registers, spills and instructions per
-# score of every entry are measured by benchmarks/bench_kernel_sass.py (sm_90;
-# benchmarks/results/kernel_sass_sm90_triton3.6.md, the Triton the GPU machines run, with 3.9 beside
-# it), which chose the first entries; the dK/dV default (64x64, 4 warps, 3 stages) was re-ranked on
-# 3.6, where it matches 64x128 with 8 warps by the serial bound, pipelines the bias gather and fits
-# 2 CTAs/SM. Table mode, 16-bit: no ptxas C7515 on 3.6 (the atomic-dQ dK/dV kernel at 128 with its
-# 32-row query tiles included, since it computes dQ transposed) and no spills in the default
-# configs. A 128x128 tile spills heavily in table
-# mode. The sqrt mode is a reference: two configs each. fp32 inputs with exact ("ieee") products
-# use no tensor cores and far more registers: small tiles only, and even those spill; fp32 is a
-# correctness path.
+# for fp32 inputs; the dK/dV kernel has its own lists for the atomic-dQ backward ("dkdv_atomic"),
+# and _LEARNED_CONFIGS overrides a list when the slope gradient is computed. In the backward kernels
+# BLOCK_N is the resident key tile of the dK/dV kernel and BLOCK_M the resident query tile of the dQ
+# kernel. Registers, spills and instructions per score of every entry are measured by
+# benchmarks/bench_kernel_sass.py (sm_90; benchmarks/results/kernel_sass_sm90_triton3.6.md, the Triton
+# the GPU machines run, with 3.8 beside it), which chose the first entries by the serial bound among
+# those with no ptxas C7515, no spills and at least 8 registers under the 255 cap for every slope kind.
+# ptxas fills registers up to the cap when it may: a maxnreg entry caps a config that compiles to the
+# same loop without spills under it, so the registers a kernel really needs are visible.
+# At head_dim 128 the dK/dV kernel holds 128 fp32 registers of dK and dV accumulators per thread:
+# 32-row query tiles spill there (per-head and learned slopes), 16-row tiles do not. The atomic dK/dV
+# kernel spills at head_dim 128 with any tile that keeps its loop fast, so head_dim 128 uses the
+# two-kernel backward (see atomic_dq_enabled); with learned slopes at head_dim 64 its 64-row query
+# tiles spill, 32-row ones (dQ formed transposed) do not. The sqrt mode is a reference: two configs
+# each. fp32 inputs with exact ("ieee") products use no tensor cores and far more registers: small
+# tiles only, and even those spill; fp32 is a correctness path.
 _FWD_CONFIGS = {
-    ("small", "table"): [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 2), _cfg(128, 64, 8, 4)],
+    ("small", "table"): [_cfg(64, 64, 4, 2, 232), _cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 4)],
     ("small", "sqrt"): [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
-    ("large", "table"): [_cfg(64, 64, 4, 2), _cfg(64, 64, 4, 3)],
+    ("large", "table"): [_cfg(64, 64, 4, 2, 232), _cfg(64, 64, 4, 3)],
     ("large", "sqrt"): [_cfg(64, 64, 4, 3), _cfg(64, 64, 4, 2)],
     "fp32": [_cfg(32, 32, 4, 2), _cfg(64, 32, 4, 2)],
 }
 _DKDV_CONFIGS = {
     ("small", "table"): [_cfg(64, 64, 4, 3), _cfg(64, 128, 8, 2), _cfg(64, 64, 8, 2), _cfg(32, 64, 4, 3)],
     ("small", "sqrt"): [_cfg(64, 128, 8, 2), _cfg(64, 64, 8, 2)],
-    ("large", "table"): [_cfg(32, 64, 4, 3), _cfg(64, 64, 8, 2)],
+    ("large", "table"): [_cfg(16, 64, 4, 2), _cfg(16, 64, 4, 3), _cfg(32, 64, 4, 3)],
     ("large", "sqrt"): [_cfg(64, 64, 8, 2), _cfg(32, 64, 4, 3)],
     "fp32": [_cfg(32, 32, 4, 2), _cfg(32, 64, 4, 2)],
 }
+_DKDV_ATOMIC_CONFIGS = {
+    ("small", "table"): [_cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3), _cfg(32, 64, 4, 2)],
+    ("small", "sqrt"): [_cfg(64, 64, 4, 3), _cfg(32, 64, 4, 3)],
+    ("large", "table"): [_cfg(32, 64, 4, 3), _cfg(16, 64, 4, 2)],
+    ("large", "sqrt"): [_cfg(32, 64, 4, 3), _cfg(16, 64, 4, 2)],
+    "fp32": [_cfg(32, 32, 4, 2), _cfg(32, 64, 4, 2)],
+}
 _DQ_CONFIGS = {
-    ("small", "table"): [_cfg(64, 64, 4, 3), _cfg(128, 64, 8, 2), _cfg(64, 64, 8, 2), _cfg(64, 32, 4, 3)],
+    ("small", "table"): [_cfg(64, 64, 4, 3, 244), _cfg(128, 64, 8, 2), _cfg(64, 64, 8, 2), _cfg(64, 32, 4, 3)],
     ("small", "sqrt"): [_cfg(128, 64, 8, 2), _cfg(64, 64, 8, 2)],
-    ("large", "table"): [_cfg(128, 64, 8, 2), _cfg(64, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3)],
+    ("large", "table"): [_cfg(128, 64, 8, 2, 240), _cfg(64, 64, 8, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3)],
     ("large", "sqrt"): [_cfg(64, 64, 8, 2), _cfg(64, 64, 4, 3)],
     "fp32": [_cfg(32, 32, 4, 2), _cfg(64, 32, 4, 2)],
 }
-_CONFIGS = {"fwd": _FWD_CONFIGS, "dkdv": _DKDV_CONFIGS, "dq": _DQ_CONFIGS}
+_CONFIGS = {"fwd": _FWD_CONFIGS, "dkdv": _DKDV_CONFIGS, "dkdv_atomic": _DKDV_ATOMIC_CONFIGS, "dq": _DQ_CONFIGS}
+_LEARNED_CONFIGS = {("dkdv_atomic", ("small", "table")): [_cfg(32, 64, 4, 3), _cfg(32, 64, 4, 2)]}
 # The interpreter runs programs one by one on the CPU: small, unequal tiles keep tests fast and
 # still exercise several blocks, partial tail blocks and BLOCK_M != BLOCK_N.
 _INTERPRET_CONFIGS = {"fwd": [_cfg(16, 32, 4, 1)], "dkdv": [_cfg(32, 16, 4, 1)], "dq": [_cfg(16, 32, 4, 1)]}
 # Codes are padded on the host to a multiple of CODE_PAD and loaded without masks: no tile may be wider.
 assert all(max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) <= CODE_PAD
-           for table in (*_CONFIGS.values(), _INTERPRET_CONFIGS) for cs in table.values() for c in cs)
+           for table in (*_CONFIGS.values(), _LEARNED_CONFIGS, _INTERPRET_CONFIGS) for cs in table.values() for c in cs)
 
 
 def n_bucket(n):
@@ -195,26 +226,39 @@ def n_bucket(n):
     return triton.next_power_of_2(n)
 
 
+def work_bucket(batch, heads):
+    """The autotuning key's stand-in for the number of (batch, head) slices: the next power of two, so a
+    call on a slice of the problem (one batch element, two heads) does not choose the tiles of the whole."""
+    return triton.next_power_of_2(batch * heads)
+
+
 # Tuning results are cached on disk (Triton's cache directory, keyed by kernel source, GPU, the
 # tuning key and the configs), so a new process with the same bucket does not retune.
 _CACHE_RESULTS = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
 def _config_key(cfg):
-    return cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages
+    return cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages, cfg.maxnreg
 
 
-def gpu_launch_configs(kind, head_dim, table=True, fp32=False):
+def gpu_launch_configs(kind, head_dim, table=True, fp32=False, atomic_dq=False, learned=False):
     """The GPU launch configs offered to one call of kernel ``kind`` ("fwd", "dkdv", "dq"), in order of
-    preference: the first is the one used with ``ALIBI_TRITON_AUTOTUNE=0``."""
-    return _CONFIGS[kind]["fp32" if fp32 else ("small" if head_dim <= 64 else "large", "table" if table else "sqrt")]
+    preference: the first is the one used with ``ALIBI_TRITON_AUTOTUNE=0``. ``atomic_dq`` and ``learned``
+    (the slope gradient is computed) matter to the dK/dV kernel only."""
+    name = "dkdv_atomic" if kind == "dkdv" and atomic_dq else kind
+    cls = "fp32" if fp32 else ("small" if head_dim <= 64 else "large", "table" if table else "sqrt")
+    if learned and kind == "dkdv" and (name, cls) in _LEARNED_CONFIGS:
+        return _LEARNED_CONFIGS[(name, cls)]
+    return _CONFIGS[name][cls]
 
 
 def _gpu_autotune(kind, extra_key=()):
     """Autotuner over all of a kernel's configs; its pruning keeps the call's list (tests call it, the
     interpreter never does)."""
+    names = ("dkdv", "dkdv_atomic") if kind == "dkdv" else (kind,)
     unique = {}
-    for configs in _CONFIGS[kind].values():
+    for configs in [*(cs for name in names for cs in _CONFIGS[name].values()),
+                    *(cs for (name, _), cs in _LEARNED_CONFIGS.items() if name in names)]:
         for cfg in configs:
             unique.setdefault(_config_key(cfg), cfg)
 
@@ -225,14 +269,19 @@ def _gpu_autotune(kind, extra_key=()):
         if not {"HEAD_DIM", "TABLE", "Q"} <= args.keys():  # an autotuner that passes no meta-args
             return list(configs)
         by_key = {_config_key(c): c for c in configs}
-        wanted = gpu_launch_configs(kind, args["HEAD_DIM"], bool(args["TABLE"]), args["Q"].dtype == torch.float32)
+        wanted = gpu_launch_configs(kind, args["HEAD_DIM"], bool(args["TABLE"]), args["Q"].dtype == torch.float32,
+                                    bool(args.get("ATOMIC_DQ", False)), bool(args.get("COMPUTE_DSLOPE", False)))
         offered = [by_key[_config_key(c)] for c in wanted if _config_key(c) in by_key] or list(configs)
         return offered if _AUTOTUNE else offered[:1]
 
     # Configs that still exceed a device's resources are skipped by the autotuner itself. Benchmark runs
-    # of the dK/dV kernel add into the atomic-dQ buffer: each starts from zeros.
+    # of the dK/dV kernel add into the atomic-dQ buffer: each starts from zeros. The key holds what changes
+    # the best tiles: the problem's size (buckets of N and of batch·heads), head_dim, the slope kind (TABLE:
+    # one slope or one per head; COMPUTE_DSLOPE: learned; HEAD_PAIR), the bias itself (HAS_BIAS: the
+    # bias-free benchmark baseline tunes on its own) and the backward's form (ATOMIC_DQ).
     return triton.autotune(configs=list(unique.values()), reset_to_zero=["DQ"] if kind == "dkdv" else None,
-                           key=["N_BUCKET", "HEAD_DIM", "TABLE", "WRAP", "COMPUTE_DSLOPE", "DOT_PREC", *extra_key],
+                           key=["N_BUCKET", "WORK_BUCKET", "HEAD_DIM", "TABLE", "WRAP", "COMPUTE_DSLOPE", "DOT_PREC",
+                                "HAS_BIAS", *extra_key],
                            prune_configs_by={"early_config_prune": prune}, **_CACHE_RESULTS)
 
 
@@ -320,10 +369,10 @@ def _scaled_bias(bias, b_scale, TABLE: tl.constexpr):
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _row_bias(qa, qb, start_n, Codes, Tbl, N, h, w, code_stride, b_scale,
+def _row_bias(qa, qb, start_n, Codes, Tbl, N, h, w, code_stride,
               BLOCK_N: tl.constexpr, TABLE: tl.constexpr, WRAP: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The bias term of the base-2 logits of the resident query rows against keys start_n.. (forward
-    and dQ kernels), or 0.0 when the bias is compiled out."""
+    """The bias tile of the resident query rows against keys start_n.. (forward and dQ kernels) as
+    gathered, before :func:`_scaled_bias`, or 0.0 when the bias is compiled out."""
     if HAS_BIAS:
         if TABLE:
             # Key-pair codes (row 2 of Codes) against qa = pair table + 2·a_i.
@@ -332,19 +381,22 @@ def _row_bias(qa, qb, start_n, Codes, Tbl, N, h, w, code_stride, b_scale,
         else:
             ka, kb = _load_codes(Codes, start_n + tl.arange(0, BLOCK_N), code_stride, True, TABLE)
             bias = _bias_tile(qa, qb, ka, kb, Tbl, h, w, TABLE, WRAP, False)
-        return _scaled_bias(bias, b_scale, TABLE)
+        return bias
     else:
         return 0.0
 
 
 @triton.jit
-def _key_tile_logits(q, bias, qa, qb, start_n, K, Codes, Tbl, stride_kn, stride_kd, N, h, w, code_stride, qk_scale, b_scale,
-                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-                     TABLE: tl.constexpr, WRAP: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr):
+def _key_tile_logits(q, bias, row_offset, qa, qb, start_n, K, Codes, Tbl, stride_kn, stride_kd, N, h, w, code_stride,
+                     qk_scale, b_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
+                     DOT_PREC: tl.constexpr, TABLE: tl.constexpr, WRAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     GATHER: tl.constexpr, OFFSET: tl.constexpr):
     """The block both the forward and the dQ kernel run per key tile: load Kᵀ, form the base-2 logits
-    ``s = q·kᵀ·scale + bias`` of the resident query rows, -inf for keys past N. GATHER: derive the bias
-    tile here, after the QK product (so it is not live across it), and return it; otherwise use ``bias``
-    (the first head's, in a head pair). Returns (kᵀ, s, bias)."""
+    ``s = q·kᵀ·scale + b_scale·bias`` of the resident query rows, minus ``row_offset`` per row when OFFSET
+    (the dQ kernel's logsumexp), -inf for keys past N. The bias term and the offset are combined first: with a
+    per-head ``b_scale`` that is two FFMAs per element, not FMUL, FFMA and FADD. GATHER: gather the bias tile
+    here, after the QK product (so it is not live across it), and return it; otherwise use ``bias`` (the
+    first head's, in a head pair: one gathered tile, each head's own ``b_scale``). Returns (kᵀ, s, bias)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     kt_ptrs = K + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn
@@ -354,8 +406,17 @@ def _key_tile_logits(q, bias, qa, qb, start_n, K, Codes, Tbl, stride_kn, stride_
         kt = tl.load(kt_ptrs)
     qk = tl.dot(q, kt, input_precision=DOT_PREC)
     if GATHER:
-        bias = _row_bias(qa, qb, start_n, Codes, Tbl, N, h, w, code_stride, b_scale, BLOCK_N, TABLE, WRAP, HAS_BIAS)
-    s = qk * qk_scale + bias
+        bias = _row_bias(qa, qb, start_n, Codes, Tbl, N, h, w, code_stride, BLOCK_N, TABLE, WRAP, HAS_BIAS)
+    if HAS_BIAS:
+        if OFFSET:
+            s = qk * qk_scale + (_scaled_bias(bias, b_scale, TABLE) - row_offset[:, None])
+        else:
+            s = qk * qk_scale + _scaled_bias(bias, b_scale, TABLE)
+    else:
+        if OFFSET:
+            s = qk * qk_scale - row_offset[:, None]
+        else:
+            s = qk * qk_scale
     if MASK_N:
         # Keys past N must not enter the softmax (their loaded values are zeros, not -inf).
         s = tl.where((offs_n < N)[None, :], s, float("-inf"))
@@ -374,8 +435,9 @@ def _fwd_tile(acc, l_i, m_i, q, bias, qa, qb, start_n, K, V, Codes, Tbl,
         v = tl.load(v_ptrs, mask=(offs_n < N)[:, None], other=0.0)
     else:
         v = tl.load(v_ptrs)
-    _, s, bias = _key_tile_logits(q, bias, qa, qb, start_n, K, Codes, Tbl, stride_kn, stride_kd, N, h, w, code_stride,
-                                  qk_scale, b_scale, HEAD_DIM, BLOCK_N, MASK_N, DOT_PREC, TABLE, WRAP, HAS_BIAS, GATHER)
+    _, s, bias = _key_tile_logits(q, bias, 0.0, qa, qb, start_n, K, Codes, Tbl, stride_kn, stride_kd, N, h, w,
+                                  code_stride, qk_scale, b_scale, HEAD_DIM, BLOCK_N, MASK_N, DOT_PREC, TABLE, WRAP,
+                                  HAS_BIAS, GATHER, False)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -387,16 +449,16 @@ def _fwd_tile(acc, l_i, m_i, q, bias, qa, qb, start_n, K, V, Codes, Tbl,
 
 @triton.jit
 def _fwd_step(acc, l_i, m_i, acc2, l2, m2, q, q2, qa, qb, start_n, K, V, Codes, Tbl, stride_kh, stride_kn, stride_kd,
-              stride_vh, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale,
+              stride_vh, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale, b_scale2,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, DOT_PREC: tl.constexpr,
               TABLE: tl.constexpr, WRAP: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_PAIR: tl.constexpr):
-    """One key tile of the program's head, and of its pair's second head with the same bias tile."""
+    """One key tile of the program's head, and of its pair's second head with the same gathered bias tile."""
     acc, l_i, m_i, bias = _fwd_tile(acc, l_i, m_i, q, 0.0, qa, qb, start_n, K, V, Codes, Tbl,
                                     stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale,
                                     HEAD_DIM, BLOCK_N, MASK_N, DOT_PREC, TABLE, WRAP, HAS_BIAS, True)
     if HEAD_PAIR:
         acc2, l2, m2, _ = _fwd_tile(acc2, l2, m2, q2, bias, qa, qb, start_n, K + stride_kh, V + stride_vh, Codes, Tbl,
-                                    stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale,
+                                    stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale2,
                                     HEAD_DIM, BLOCK_N, MASK_N, DOT_PREC, TABLE, WRAP, HAS_BIAS, False)
     return acc, l_i, m_i, acc2, l2, m2
 
@@ -409,13 +471,13 @@ def _fwd_store(acc, l_i, m_i, O, LSE, offs_m, offs_d, mask_m, stride_on, stride_
     tl.store(LSE + offs_m, m_i + tl.log2(l_i), mask=mask_m)
 
 
-@triton.jit(do_not_specialize=["N_BUCKET"])
+@triton.jit(do_not_specialize=["N_BUCKET", "WORK_BUCKET"])
 def _alibi_fwd_kernel(Q, K, V, O, LSE, Slopes, Codes, Tbl,
                       stride_qb, stride_qh, stride_qn, stride_qd,
                       stride_kb, stride_kh, stride_kn, stride_kd,
                       stride_vb, stride_vh, stride_vn, stride_vd,
                       stride_ob, stride_oh, stride_on, stride_od,
-                      H, N, N_BUCKET, h, w, code_stride, tbl_stride, qk_scale, bias_scale,
+                      H, N, N_BUCKET, WORK_BUCKET, h, w, code_stride, qk_scale, bias_scale,
                       HEAD_DIM: tl.constexpr, TABLE: tl.constexpr, WRAP: tl.constexpr,
                       COMPUTE_DSLOPE: tl.constexpr, DOT_PREC: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr = True,
@@ -435,6 +497,9 @@ def _alibi_fwd_kernel(Q, K, V, O, LSE, Slopes, Codes, Tbl,
     LSE += (off_b * H + off_h) * N
 
     b_scale = tl.load(Slopes + off_h).to(tl.float32) * bias_scale
+    b_scale2 = b_scale
+    if HEAD_PAIR:
+        b_scale2 = tl.load(Slopes + off_h + 1).to(tl.float32) * bias_scale
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_m = offs_m < N
@@ -442,7 +507,7 @@ def _alibi_fwd_kernel(Q, K, V, O, LSE, Slopes, Codes, Tbl,
     q = tl.load(Q + q_off, mask=mask_m[:, None], other=0.0)
     qa, qb = _load_codes(Codes, offs_m, code_stride, False, TABLE)
     if TABLE:  # into the key-pair table (see _row_bias)
-        qa = Tbl + off_h * tbl_stride + 2 * qa
+        qa = Tbl + 2 * qa
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -460,19 +525,19 @@ def _alibi_fwd_kernel(Q, K, V, O, LSE, Slopes, Codes, Tbl,
     for start_n in range(0, n_full, BLOCK_N):
         acc, l_i, m_i, acc2, l2, m2 = _fwd_step(
             acc, l_i, m_i, acc2, l2, m2, q, q2, qa, qb, start_n, K, V, Codes, Tbl, stride_kh, stride_kn, stride_kd,
-            stride_vh, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale, HEAD_DIM, BLOCK_N, False, DOT_PREC,
-            TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
+            stride_vh, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale, b_scale2, HEAD_DIM, BLOCK_N, False,
+            DOT_PREC, TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
     if N - n_full <= TAIL_N:
         if n_full < N:
             acc, l_i, m_i, acc2, l2, m2 = _fwd_step(
                 acc, l_i, m_i, acc2, l2, m2, q, q2, qa, qb, n_full, K, V, Codes, Tbl, stride_kh, stride_kn, stride_kd,
-                stride_vh, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale, HEAD_DIM, TAIL_N, True, DOT_PREC,
-                TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
+                stride_vh, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale, b_scale2, HEAD_DIM, TAIL_N, True,
+                DOT_PREC, TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
     else:
         acc, l_i, m_i, acc2, l2, m2 = _fwd_step(
             acc, l_i, m_i, acc2, l2, m2, q, q2, qa, qb, n_full, K, V, Codes, Tbl, stride_kh, stride_kn, stride_kd,
-            stride_vh, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale, HEAD_DIM, BLOCK_N, True, DOT_PREC,
-            TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
+            stride_vh, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale, b_scale2, HEAD_DIM, BLOCK_N, True,
+            DOT_PREC, TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
     _fwd_store(acc, l_i, m_i, O, LSE, offs_m, offs_d, mask_m, stride_on, stride_od)
     if HEAD_PAIR:
         _fwd_store(acc2, l2, m2, O + stride_oh, LSE + N, offs_m, offs_d, mask_m, stride_on, stride_od)
@@ -534,7 +599,10 @@ def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Cod
         qkt = tl.dot(k, qt, input_precision=DOT_PREC)
         if HAS_BIAS:
             bias_t = _bias_tile(qa, qb, ka, kb, Tbl, h, w, TABLE, WRAP, True)
-            pt = tl.exp2(qkt * qk_scale + _scaled_bias(bias_t, b_scale, TABLE) - lse[None, :])
+            if TABLE == 2:  # bias term and logsumexp first: two FFMAs per element (see _key_tile_logits)
+                pt = tl.exp2(qkt * qk_scale + (bias_t * b_scale - lse[None, :]))
+            else:
+                pt = tl.exp2(qkt * qk_scale + _scaled_bias(bias_t, b_scale, TABLE) - lse[None, :])
         else:
             pt = tl.exp2(qkt * qk_scale - lse[None, :])
         if MASK_N:
@@ -543,6 +611,10 @@ def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Cod
         dv = tl.dot(pt.to(do.dtype), do, acc=dv, input_precision=DOT_PREC)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         dst = pt * (dpt - delta[None, :])
+        if COMPUTE_DSLOPE and HAS_BIAS:  # here, so the bias tile is not live across the dK (and dQ) products
+            if TABLE == 1:  # dL/dm needs B itself: gather it from the unscaled table (TABLE == 2 gathered it)
+                bias_t = _bias_tile(qa, qb, ku, kb, Tbl, h, w, TABLE, WRAP, True)
+            dsl += tl.sum(dst * bias_t, 1)
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), acc=dk, input_precision=DOT_PREC)
         if ATOMIC_DQ:  # this key tile's share of dQ (unscaled), added into the fp32 buffer in any order
             if BLOCK_M < 64:
@@ -556,21 +628,17 @@ def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Cod
                 dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=DOT_PREC)
                 tl.atomic_add(DQ + offs_m[:, None] * stride_gn + offs_d[None, :] * stride_gd, dq, mask=mask_m[:, None],
                               sem="relaxed")
-        if COMPUTE_DSLOPE and HAS_BIAS:
-            if TABLE == 1:  # dL/dm needs B itself: gather it from the unscaled table (TABLE == 2 gathered it)
-                bias_t = _bias_tile(qa, qb, ku, kb, Tbl, h, w, TABLE, WRAP, True)
-            dsl += tl.sum(dst * bias_t, 1)
     return dk, dv, dsl
 
 
-@triton.jit(do_not_specialize=["N_BUCKET"])
+@triton.jit(do_not_specialize=["N_BUCKET", "WORK_BUCKET"])
 def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, LSE, Delta, DSL, Slopes, Codes, Tbl, TblU,
                            stride_qb, stride_qh, stride_qn, stride_qd,
                            stride_kb, stride_kh, stride_kn, stride_kd,
                            stride_vb, stride_vh, stride_vn, stride_vd,
                            stride_dob, stride_doh, stride_don, stride_dod,
                            stride_gb, stride_gh, stride_gn, stride_gd,
-                           H, N, N_BUCKET, h, w, code_stride, stat_stride, tbl_stride, qk_scale, sm_scale, bias_scale,
+                           H, N, N_BUCKET, WORK_BUCKET, h, w, code_stride, stat_stride, qk_scale, sm_scale, bias_scale,
                            bias_norm,
                            HEAD_DIM: tl.constexpr, TABLE: tl.constexpr, WRAP: tl.constexpr,
                            COMPUTE_DSLOPE: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -604,7 +672,7 @@ def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, LSE, Delta, DSL, Slopes, Cod
     if TABLE == 1:
         ku = TblU + 2 * ka
     if TABLE:  # into the query-pair half of the pair table (see _bias_tile)
-        ka = Tbl + off_h * tbl_stride + 2 * ka
+        ka = Tbl + 2 * ka
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -637,10 +705,10 @@ def _dq_tile(dq, q, do, lse, delta, bias, qa, qb, start_n, K, V, Codes, Tbl,
         vt = tl.load(vt_ptrs, mask=(offs_n < N)[None, :], other=0.0)
     else:
         vt = tl.load(vt_ptrs)
-    kt, s, bias = _key_tile_logits(q, bias, qa, qb, start_n, K, Codes, Tbl, stride_kn, stride_kd, N, h, w, code_stride,
-                                   qk_scale, b_scale, HEAD_DIM, BLOCK_N, MASK_N, DOT_PREC, TABLE, WRAP, HAS_BIAS,
-                                   GATHER)
-    p = tl.exp2(s - lse[:, None])  # 0 for masked keys (s = -inf)
+    kt, s, bias = _key_tile_logits(q, bias, lse, qa, qb, start_n, K, Codes, Tbl, stride_kn, stride_kd, N, h, w,
+                                   code_stride, qk_scale, b_scale, HEAD_DIM, BLOCK_N, MASK_N, DOT_PREC, TABLE, WRAP,
+                                   HAS_BIAS, GATHER, True)
+    p = tl.exp2(s)  # 0 for masked keys (s = -inf)
     dp = tl.dot(do, vt, input_precision=DOT_PREC)
     ds = p * (dp - delta[:, None])
     dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), acc=dq, input_precision=DOT_PREC)
@@ -650,15 +718,15 @@ def _dq_tile(dq, q, do, lse, delta, bias, qa, qb, start_n, K, V, Codes, Tbl,
 @triton.jit
 def _dq_step(dq, dq2, q, do, lse, delta, q2, do2, lse2, delta2, qa, qb, start_n, K, V, Codes, Tbl,
              stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale,
-             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+             b_scale2, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, DOT_PREC: tl.constexpr,
              TABLE: tl.constexpr, WRAP: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_PAIR: tl.constexpr):
-    """One key tile of the program's head's dQ, and of its pair's second head with the same bias tile."""
+    """One key tile of the program's head's dQ, and of its pair's second head with the same gathered bias tile."""
     dq, bias = _dq_tile(dq, q, do, lse, delta, 0.0, qa, qb, start_n, K, V, Codes, Tbl,
                         stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale,
                         HEAD_DIM, BLOCK_N, MASK_N, DOT_PREC, TABLE, WRAP, HAS_BIAS, True)
     if HEAD_PAIR:
         dq2, _ = _dq_tile(dq2, q2, do2, lse2, delta2, bias, qa, qb, start_n, K + stride_kh, V + stride_vh, Codes, Tbl,
-                          stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale,
+                          stride_kn, stride_kd, stride_vn, stride_vd, N, h, w, code_stride, qk_scale, b_scale2,
                           HEAD_DIM, BLOCK_N, MASK_N, DOT_PREC, TABLE, WRAP, HAS_BIAS, False)
     return dq, dq2
 
@@ -673,14 +741,14 @@ def _dq_head(Q, DO, LSE, Delta, offs_m, offs_d, mask_m, stride_qn, stride_qd, st
     return q, do, lse, delta
 
 
-@triton.jit(do_not_specialize=["N_BUCKET"])
+@triton.jit(do_not_specialize=["N_BUCKET", "WORK_BUCKET"])
 def _alibi_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta, Slopes, Codes, Tbl,
                          stride_qb, stride_qh, stride_qn, stride_qd,
                          stride_kb, stride_kh, stride_kn, stride_kd,
                          stride_vb, stride_vh, stride_vn, stride_vd,
                          stride_dob, stride_doh, stride_don, stride_dod,
                          stride_gb, stride_gh, stride_gn, stride_gd,
-                         H, N, N_BUCKET, h, w, code_stride, stat_stride, tbl_stride, qk_scale, sm_scale, bias_scale,
+                         H, N, N_BUCKET, WORK_BUCKET, h, w, code_stride, stat_stride, qk_scale, sm_scale, bias_scale,
                          HEAD_DIM: tl.constexpr, TABLE: tl.constexpr, WRAP: tl.constexpr,
                          COMPUTE_DSLOPE: tl.constexpr, DOT_PREC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr = True,
@@ -699,6 +767,9 @@ def _alibi_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta, Slopes, Codes, Tbl,
     row = (off_b * H + off_h) * stat_stride
 
     b_scale = tl.load(Slopes + off_h).to(tl.float32) * bias_scale
+    b_scale2 = b_scale
+    if HEAD_PAIR:
+        b_scale2 = tl.load(Slopes + off_h + 1).to(tl.float32) * bias_scale
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_m = offs_m < N
@@ -706,7 +777,7 @@ def _alibi_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta, Slopes, Codes, Tbl,
                                  stride_qn, stride_qd, stride_don, stride_dod)
     qa, qb = _load_codes(Codes, offs_m, code_stride, False, TABLE)
     if TABLE:  # into the key-pair table (see _row_bias)
-        qa = Tbl + off_h * tbl_stride + 2 * qa
+        qa = Tbl + 2 * qa
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     q2, do2, lse2, delta2, dq2 = 0.0, 0.0, 0.0, 0.0, 0.0  # the pair's second head (placeholders without HEAD_PAIR)
@@ -720,16 +791,17 @@ def _alibi_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, Delta, Slopes, Codes, Tbl,
     for start_n in range(0, n_full, BLOCK_N):
         dq, dq2 = _dq_step(dq, dq2, q, do, lse, delta, q2, do2, lse2, delta2, qa, qb, start_n, K, V, Codes, Tbl,
                            stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd, N, h, w, code_stride, qk_scale,
-                           b_scale, HEAD_DIM, BLOCK_N, False, DOT_PREC, TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
+                           b_scale, b_scale2, HEAD_DIM, BLOCK_N, False, DOT_PREC, TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
     if N - n_full <= TAIL_N:
         if n_full < N:
             dq, dq2 = _dq_step(dq, dq2, q, do, lse, delta, q2, do2, lse2, delta2, qa, qb, n_full, K, V, Codes, Tbl,
                                stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd, N, h, w, code_stride,
-                               qk_scale, b_scale, HEAD_DIM, TAIL_N, True, DOT_PREC, TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
+                               qk_scale, b_scale, b_scale2, HEAD_DIM, TAIL_N, True, DOT_PREC, TABLE, WRAP, HAS_BIAS,
+                               HEAD_PAIR)
     else:
         dq, dq2 = _dq_step(dq, dq2, q, do, lse, delta, q2, do2, lse2, delta2, qa, qb, n_full, K, V, Codes, Tbl,
                            stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd, N, h, w, code_stride, qk_scale,
-                           b_scale, HEAD_DIM, BLOCK_N, True, DOT_PREC, TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
+                           b_scale, b_scale2, HEAD_DIM, BLOCK_N, True, DOT_PREC, TABLE, WRAP, HAS_BIAS, HEAD_PAIR)
     g_off = offs_m[:, None] * stride_gn + offs_d[None, :] * stride_gd
     tl.store(DQ + g_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=mask_m[:, None])
     if HEAD_PAIR:
@@ -843,7 +915,7 @@ def head_pair(q, slopes, use_table):
     slope for every head (``slopes=None``), an even number of heads, 16-bit inputs with head_dim <= 64
     (at 128, or with fp32 operands, two heads' tiles exceed the registers and spill)."""
     heads, d = q.shape[1], q.shape[3]
-    return bool(use_table and slopes.numel() == 1 and heads % 2 == 0 and d <= 64 and q.dtype != torch.float32)
+    return bool(use_table and heads % 2 == 0 and d <= 64 and q.dtype != torch.float32)
 
 
 def _fwd_args(q, k, v, o, lse, slopes, geometry, wrap, use_table):
@@ -852,10 +924,9 @@ def _fwd_args(q, k, v, o, lse, slopes, geometry, wrap, use_table):
     (h, w), (codes, tbl, bias_norm, pair_tbl) = geometry
     code_stride = codes.stride(0)
     table = _table_mode(slopes, use_table)
-    tbl_stride = 0
-    args = (q, k, v, o, lse, _per_head(slopes, heads), codes, _scaled_table(pair_tbl if table else tbl, slopes, table), *_strides(q), *_strides(k), *_strides(v),
-            *_strides(o), heads, n, n_bucket(n), h, w, code_stride, tbl_stride, LOG2E / math.sqrt(d),
-            LOG2E * bias_norm)
+    args = (q, k, v, o, lse, _per_head(slopes, heads), codes, _scaled_table(pair_tbl if table else tbl, slopes, table),
+            *_strides(q), *_strides(k), *_strides(v), *_strides(o), heads, n, n_bucket(n), work_bucket(bsz, heads),
+            h, w, code_stride, LOG2E / math.sqrt(d), LOG2E * bias_norm)
     return args, dict(HEAD_DIM=d, TABLE=table, WRAP=wrap, COMPUTE_DSLOPE=False, DOT_PREC=_dot_precision(q.dtype),
                       HEAD_PAIR=head_pair(q, slopes, use_table))
 
@@ -875,19 +946,17 @@ def _bwd_args(do, q, k, v, dq, dk, dv, lse, delta, dsl, slopes, geometry, wrap, 
     code_stride = codes.stride(0)
     sm_scale = 1.0 / math.sqrt(d)
     table = _table_mode(slopes, use_table)
-    tbl_stride = 0
     pair = head_pair(q, slopes, use_table)
     if table:  # every table-mode kernel gathers from the pair table
         tbl = pair_tbl
     scaled = _scaled_table(tbl, slopes, table)
     slopes = _per_head(slopes, heads)
     assert lse.shape[-1] == delta.shape[-1] == stat_stride(n)  # the padded rows of _bwd_preprocess_kernel
-    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), heads, n, n_bucket(n), h, w,
-               code_stride, stat_stride(n))
+    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), heads, n, n_bucket(n),
+               work_bucket(bsz, heads), h, w, code_stride, stat_stride(n))
     scales = (sm_scale * LOG2E, sm_scale, LOG2E * bias_norm)
-    dkdv = (q, k, v, do, dk, dv, dq, lse, delta, dsl, slopes, codes, scaled, tbl, *strides, tbl_stride, *scales,
-            bias_norm)
-    dqa = (q, k, v, do, dq, lse, delta, slopes, codes, scaled, *strides, tbl_stride, *scales)
+    dkdv = (q, k, v, do, dk, dv, dq, lse, delta, dsl, slopes, codes, scaled, tbl, *strides, *scales, bias_norm)
+    dqa = (q, k, v, do, dq, lse, delta, slopes, codes, scaled, *strides, *scales)
     kw = dict(HEAD_DIM=d, TABLE=table, WRAP=wrap, DOT_PREC=_dot_precision(q.dtype))
     return dkdv, dqa, kw, pair
 
@@ -945,7 +1014,7 @@ def _launch_bwd(do, q, k, v, o, lse, slopes, h, w, prefix, wrap, normalize, use_
             _dq_kernel[grid_q](*dq_args, **kw, COMPUTE_DSLOPE=False, HEAD_PAIR=pair, HAS_BIAS=_HAS_BIAS,
                                **_LAUNCH_OPTIONS)
     if atomic_dq:
-        dq.copy_(dq_acc.mul_(1.0 / math.sqrt(d)))
+        torch.mul(dq_acc, 1.0 / math.sqrt(d), out=dq)  # one pass: scale and cast
     dslopes = dsl.sum(dim=(0, 2)) if need_dslopes else slopes.new_zeros(slopes.shape)
     return (dq if need_dq else q.new_empty(0)), dk, dv, dslopes
 
@@ -989,11 +1058,24 @@ def _(do, q, k, v, o, lse, slopes, grid_h, grid_w, num_prefix_tokens, wrap, norm
     return dq, _new_bnhd(q), _new_bnhd(q), slopes.new_empty(slopes.shape)
 
 
-def atomic_dq_enabled():
-    """Whether backward passes accumulate dQ with atomic adds inside the dK/dV kernel instead of running the
-    separate dQ kernel: opt-in with ``ALIBI_TRITON_ATOMIC_DQ=1`` or :func:`atomic_dq`, and never while
-    ``torch.use_deterministic_algorithms(True)`` is on (atomic adds make dQ's last bits vary from run to run)."""
-    return _ATOMIC_DQ and not torch.are_deterministic_algorithms_enabled()
+def atomic_dq_default(head_dim, dtype):
+    """Whether the backward uses atomic dQ when nothing says otherwise: for 16-bit inputs with head_dim <= 64.
+    There the SASS proxy puts its serial bound at about 0.8x the two-kernel backward's for every slope kind,
+    with no spills (benchmarks/bench_kernel_sass.py); at head_dim 128 its dK/dV kernel spills, and fp32
+    inputs are the exact correctness path, which stays deterministic."""
+    return head_dim <= 64 and dtype in (torch.float16, torch.bfloat16)
+
+
+def atomic_dq_enabled(q=None):
+    """Whether a backward pass for ``q`` accumulates dQ with atomic adds inside the dK/dV kernel instead of
+    running the separate dQ kernel: :func:`atomic_dq_default` unless ``ALIBI_TRITON_ATOMIC_DQ`` (``1``/``0``)
+    or :func:`atomic_dq` says otherwise, and never while ``torch.use_deterministic_algorithms(True)`` is on
+    (atomic adds make dQ's last bits vary from run to run)."""
+    if torch.are_deterministic_algorithms_enabled():
+        return False
+    if _ATOMIC_DQ is not None:
+        return _ATOMIC_DQ
+    return q is not None and atomic_dq_default(q.shape[-1], q.dtype)
 
 
 @contextlib.contextmanager
@@ -1009,10 +1091,11 @@ def bias_compiled_out():
 
 
 @contextlib.contextmanager
-def atomic_dq(enabled: bool = True):
-    """Backward passes run inside the block use atomic dQ (or not), whatever ``ALIBI_TRITON_ATOMIC_DQ`` says."""
+def atomic_dq(enabled: bool | None = True):
+    """Backward passes run inside the block use atomic dQ (True) or the deterministic two-kernel backward
+    (False), whatever ``ALIBI_TRITON_ATOMIC_DQ`` says; None: :func:`atomic_dq_default`."""
     global _ATOMIC_DQ
-    previous, _ATOMIC_DQ = _ATOMIC_DQ, bool(enabled)
+    previous, _ATOMIC_DQ = _ATOMIC_DQ, (None if enabled is None else bool(enabled))
     try:
         yield
     finally:
@@ -1032,7 +1115,7 @@ def _backward(ctx, do, _dlse):
     q, k, v, o, lse, slopes = ctx.saved_tensors
     need_dq, need_dslopes = bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[3])
     dq, dk, dv, dslopes = alibi_attention_bwd(do, q, k, v, o, lse, slopes, *ctx.geometry, need_dslopes, need_dq,
-                                              ctx.metric, atomic_dq_enabled())
+                                              ctx.metric, atomic_dq_enabled(q))
     grads = (dq if need_dq else None), dk, dv, (dslopes if need_dslopes else None)
     return grads + (None,) * (ctx.num_inputs - len(grads))
 

@@ -1,10 +1,17 @@
 """``alibi-vit app``'s server without a browser: the API of alibi_vit/app/API.md, the session
 folder, and every bad input the page can send (a 4xx with a reason, and the server goes on)."""
 
+import errno
 import io
 import json
+import os
+import socket
+import struct
 import threading
 import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +21,7 @@ from PIL import Image
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from alibi_vit.app.engine import Engine, Job  # noqa: E402
+from alibi_vit.app.engine import Engine  # noqa: E402
 from alibi_vit.app.server import create_app  # noqa: E402
 from alibi_vit.app.session import Session, rasterise_stroke  # noqa: E402
 from alibi_vit.cli.main import main  # noqa: E402
@@ -39,10 +46,11 @@ def start(tmp_path):
     """start(folder, token=None) → (session, engine, client) on tmp_path/session; engines closed afterwards."""
     engines = []
 
-    def start(folder, token=None):
+    def start(folder, token=None, raise_server_exceptions=True):
         session = Session(tmp_path / "session", [folder], allowed_roots=[folder])
         engines.append(Engine(session))
-        return session, engines[-1], TestClient(create_app(session, engines[-1], token=token, max_upload_mb=0.5))
+        app = create_app(session, engines[-1], token=token, max_upload_mb=0.5)
+        return session, engines[-1], TestClient(app, raise_server_exceptions=raise_server_exceptions)
 
     yield start
     for engine in engines:
@@ -104,6 +112,29 @@ def test_feature_cache_gives_the_same_predictions_and_evicts_least_recent(microg
     for key in "abcd":
         small.put(key, np.zeros(10, np.uint8))
     assert "a" not in small and all(k in small for k in "bcd") and small.nbytes == 30
+
+
+def test_prediction_reports_each_tile_so_the_worker_can_stop_it(micrograph):
+    """The app's worker stops a prediction between tiles (the page moved on, or Train is waiting):
+    predict_proba reports each tile, and an exception from the report stops it there."""
+    _, image, truth = micrograph
+    labels = scribbles(truth, per_class=2, rng=np.random.default_rng(0))
+    seg = TrainableSegmenter(intensity_range=(float(image.min()), float(image.max())), tile=84).fit([image], [labels])
+    seen = []
+    proba = seg.predict_proba([image], on_progress=lambda done, total: seen.append((done, total)))[0]
+    assert seen == [(1, 4), (2, 4), (3, 4), (4, 4)]   # 160 px in 84-px tiles: 2 × 2
+    assert np.array_equal(proba, seg.predict_proba([image])[0])
+
+    class Stop(Exception):
+        pass
+
+    def stop(done, total):
+        seen.append("stopped")
+        raise Stop
+
+    with pytest.raises(Stop):
+        seg.predict_proba([image], on_progress=stop)
+    assert seen[-1] == "stopped" and seen.count("stopped") == 1
 
 
 def test_draw_train_predict_save_and_segment_apply_agree(tmp_path, micrograph, start):
@@ -305,7 +336,7 @@ def test_vit_backbone_in_the_page_trains_and_saves_a_model_segment_apply_reloads
         misses = engine.cache.misses
         assert client.post("/api/train", json={"image": "m0"}).status_code == 200
         assert engine.cache.misses == misses  # retraining computes no feature again
-        assert engine._segmenter.vit is not None and engine.model["classes"] == [1, 2, 3]
+        assert engine._trainer.vit is not None and engine.model["classes"] == [1, 2, 3]
         mask = read_png(client.get("/api/images/m0/mask.png").content)
         job = client.post("/api/save", json={"what": ["model"], "scope": "image", "image": "m0"}).json()
         while client.get(f"/api/jobs/{job['job']}").json()["state"] == "running":
@@ -319,22 +350,503 @@ def test_vit_backbone_in_the_page_trains_and_saves_a_model_segment_apply_reloads
         engine.close()
 
 
-def test_a_cancelled_save_job_stops_before_the_next_image(tmp_path, micrograph, start):
+
+
+def wait_job(client, job_id: str) -> dict:
+    for _ in range(600):
+        record = client.get(f"/api/jobs/{job_id}").json()
+        if record["state"] != "running":
+            return record
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} still running: {record}")
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose header claims width × height 8-bit grey pixels, with one compressed row of data:
+    the few hundred bytes that make a decompression bomb's header."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * (width + 1)))
+            + chunk(b"IEND", b""))
+
+
+def small_png(value: int = 100, size=(24, 32), dtype=np.uint8) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.full(size, value, dtype)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------- data loss (issue items 1-4)
+def test_a_change_the_disk_cannot_take_is_refused_and_leaves_no_trace(tmp_path, micrograph, start, monkeypatch):
+    """Disk full (an injected ENOSPC on every write into the session): the stroke, the undo and the
+    new class answer 507 with a reason, and memory, Train and a restart all agree with the disk."""
+    folder, _, _ = micrograph
+    session, engine, client = start(folder, raise_server_exceptions=False)
+    client.post("/api/classes", json={"name": "a"})
+    client.post("/api/classes", json={"name": "b"})
+    first = client.post("/api/images/m0/strokes", json={"class": 1, "radius": 3, "points": [[20, 20]]})
+    assert first.status_code == 200
+    before = read_png(client.get("/api/images/m0/labels.png").content)
+    state = client.get("/api/state").json()
+
+    real_replace = os.replace
+
+    def full_disk(src, dst, *args, **kwargs):
+        if Path(dst).resolve().is_relative_to(tmp_path / "session"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    for answer in (client.post("/api/images/m0/strokes", json={"class": 2, "radius": 3, "points": [[100, 100]]}),
+                   client.post("/api/images/m0/undo"),
+                   client.post("/api/classes", json={"name": "c"})):
+        assert answer.status_code == 507, answer.text
+        assert "not saved" in answer.json()["detail"] and os.strerror(errno.ENOSPC) in answer.json()["detail"]
+    after = client.get("/api/state").json()
+    assert after["images"] == state["images"] and after["classes"] == state["classes"]
+    assert np.array_equal(read_png(client.get("/api/images/m0/labels.png").content), before)
+    monkeypatch.undo()
+    # Train sees only what was saved: class 2's stroke never was.
+    refused = client.post("/api/train", json={"image": "m0"})
+    assert refused.status_code == 400 and "only 'a' is labelled" in refused.json()["detail"]
+    assert not list((tmp_path / "session").rglob("*.tmp"))  # no temporary file left behind
+    engine.close()
+    _, _, again = start(folder)
+    assert np.array_equal(read_png(again.get("/api/images/m0/labels.png").content), before)
+    assert again.get("/api/state").json()["images"][0]["version"] == state["images"][0]["version"]
+
+
+def test_undo_from_a_page_that_has_not_seen_the_latest_stroke_is_refused(tmp_path, micrograph, start):
+    """Two tabs: A shows version 1 (its own stroke); B draws. A's undo names the version it shows,
+    so it cannot undo B's stroke, which A never displayed; once A shows the labels again, it can."""
+    folder, _, _ = micrograph
+    _, _, client = start(folder)
+    client.post("/api/classes", json={"name": "a"})
+    client.post("/api/classes", json={"name": "b"})
+    stroke = "/api/images/m0/strokes"
+    assert client.post(stroke, json={"class": 1, "radius": 3, "points": [[20, 20]]}).json()["version"] == 1
+    shown_by_a = client.get("/api/images/m0/labels.png")
+    assert shown_by_a.headers["X-Labels-Version"] == "1"
+    assert client.post(stroke, json={"class": 2, "radius": 3, "points": [[90, 90]]}).json()["version"] == 2
+
+    refused = client.post("/api/images/m0/undo", json={"version": 1})
+    assert refused.status_code == 409 and "another tab" in refused.json()["detail"]
+    labels = client.get("/api/images/m0/labels.png")
+    assert labels.headers["X-Labels-Version"] == "2"
+    assert read_png(labels.content)[90, 90] == 2 and read_png(labels.content)[20, 20] == 1
+    assert client.post("/api/images/m0/redo", json={"version": 1}).status_code == 409
+
+    undone = client.post("/api/images/m0/undo", json={"version": 2})   # A now shows version 2
+    assert undone.status_code == 200 and undone.json()["version"] == 3
+    labels = read_png(client.get("/api/images/m0/labels.png").content)
+    assert labels[90, 90] == 0 and labels[20, 20] == 1
+    assert client.post("/api/images/m0/undo").status_code == 200   # without a version: as before (API clients)
+
+
+def test_save_all_writes_labels_first_and_fractions_after_every_image(tmp_path, micrograph, start, monkeypatch):
+    """Cancel after the first of two images: the labels of both and the fractions of the first are
+    already on disk (the CSV holds image 1's row before image 2 is started); the CSV names the classes."""
+    import alibi_vit.trainable.io as trainable_io
+
     folder, image, truth = micrograph
     tifffile.imwrite(folder / "m1.tif", image)
     session, engine, client = start(folder)
     draw_and_train(client, truth)
-    engine.run(engine._segmenter.save, tmp_path / "model")
-    job = Job("j-test", 2, engine.out)
-    job.cancelled.set()  # as DELETE /api/jobs/{job} does, before the first image is done
-    engine._save_job(job, ["masks"], ["m0", "m1"], tmp_path / "model")
-    assert job.state == "cancelled" and job.done == 0 and "cancelled after 0 of 2" in job.message
-    assert not (engine.out / "masks").exists()
-    r = client.post("/api/save", json={"what": ["masks"], "scope": "all"}).json()
-    cancelled = client.delete(f"/api/jobs/{r['job']}").json()
-    assert cancelled["job"] == r["job"]
-    while client.get(f"/api/jobs/{r['job']}").json()["state"] == "running":
-        time.sleep(0.05)
-    final = client.get(f"/api/jobs/{r['job']}").json()
-    assert final["state"] in ("cancelled", "done") and final["done"] <= 2  # racing the job: either ends cleanly
-    assert client.delete("/api/jobs/nope").status_code == 404
+    client.post("/api/images/m1/strokes", json={"class": 2, "radius": 2, "points": [[5, 5]]})
+    out = tmp_path / "session" / "export"
+    seen = []
+    real_write_mask = trainable_io.write_mask
+
+    def write_mask_then_cancel(path, mask, **kwargs):
+        seen.append((Path(path).name, sorted(p.name for p in (out / "labels").glob("*")),
+                     (out / "area_fractions.csv").read_text() if (out / "area_fractions.csv").exists() else None))
+        for job in engine.jobs.values():   # as DELETE /api/jobs/{job} does, during image 1
+            job.cancelled.set()
+        return real_write_mask(path, mask, **kwargs)
+
+    monkeypatch.setattr(trainable_io, "write_mask", write_mask_then_cancel)
+    job = client.post("/api/save", json={"what": ["labels", "masks", "fractions"], "scope": "all"}).json()
+    record = wait_job(client, job["job"])
+    assert record["state"] == "cancelled" and record["done"] == 1 and "labels" in record["message"], record
+    assert seen[0][:2] == ("m0_mask.png", ["m0_labels.png", "m1_labels.png"]) and seen[0][2] is None
+    assert np.array_equal(read_labels(out / "labels" / "m1_labels.png"), session.label_image("m1"))
+    assert sorted(p.name for p in (out / "masks").iterdir()) == ["m0_mask.png"]
+    rows = (out / "area_fractions.csv").read_text().splitlines()
+    assert rows[0].split(",") == ["image", "fraction_dark", "fraction_middle", "fraction_bright", "pixels_dark",
+                                  "pixels_middle", "pixels_bright"]
+    assert rows[1].startswith("m0.tif,") and not any(r.startswith("m1.tif") for r in rows)
+    mask = read_png((out / "masks" / "m0_mask.png").read_bytes())
+    fractions = [float(v) for v in rows[1].split(",")[1:4]]
+    assert fractions == pytest.approx([(mask == v).mean() for v in (1, 2, 3)], abs=1e-6)
+
+    monkeypatch.undo()
+    job = client.post("/api/save", json={"what": ["model"], "scope": "all"}).json()
+    assert wait_job(client, job["job"])["state"] == "done"
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["class_names"] == {"1": "dark", "2": "middle", "3": "bright"}
+    assert TrainableSegmenter.load(out / "model").classes_.tolist() == [1, 2, 3]  # still what segment apply reads
+
+
+def test_a_restarted_app_has_the_last_model_its_id_and_its_prediction(tmp_path, micrograph, start):
+    folder, _, truth = micrograph
+    _, engine, client = start(folder)
+    draw_and_train(client, truth)
+    client.post("/api/train", json={"image": "m0"})   # model #2
+    model = client.get("/api/state").json()["model"]
+    prediction = client.get("/api/images/m0/prediction.png").content
+    engine.close()
+
+    _, engine2, client2 = start(folder)
+    state = client2.get("/api/state").json()
+    assert state["model"] == model and model["id"] == 2 and not model["labels_changed"]
+    assert client2.get("/api/images/m0/prediction.png").content == prediction
+    assert ("train",) not in engine2.scheduler.completed   # restored, not trained again
+    assert client2.post("/api/train", json={"image": "m0"}).json()["model"]["id"] == 3
+    # A stroke after the restart makes the restored model stale.
+    client2.post("/api/images/m0/strokes", json={"class": 1, "radius": 2, "points": [[3, 3]]})
+    assert client2.get("/api/state").json()["model"]["labels_changed"]
+
+
+def test_predict_and_predict_all_use_the_current_model(tmp_path, micrograph, start):
+    """Item 15: Predict gives an image the current model's prediction without training again;
+    Predict all predicts every image it can and names the one whose file has gone."""
+    folder, image, truth = micrograph
+    tifffile.imwrite(folder / "m1.tif", np.ascontiguousarray(image[::-1]))
+    tifffile.imwrite(folder / "m2.tif", image)
+    session, engine, client = start(folder)
+    draw_and_train(client, truth)
+    one = client.post("/api/predict", json={"image": "m1"}).json()
+    mask = read_png(client.get("/api/images/m1/mask.png").content)
+    assert one["model"]["id"] == 1 and {f["value"]: f["fraction"] for f in one["fractions"]} == pytest.approx(
+        {v: float((mask == v).mean()) for v in (1, 2, 3)})
+    (folder / "m2.tif").unlink()
+    session._read.clear()   # its pixels no longer in memory either, as after reading a few other images
+    job = client.post("/api/predict", json={"scope": "all"}).json()
+    record = wait_job(client, job["job"])
+    assert record["state"] == "error" and record["done"] == 3 and "predicted 2 of 3" in record["message"]
+    assert "m2" in record["message"].split("failed:")[1]
+    state = {i["id"]: i["prediction"] for i in client.get("/api/state").json()["images"]}
+    assert state["m0"]["model"] == state["m1"]["model"] == 1 and state["m2"] is None
+    assert sum(state["m1"]["fractions"].values()) == pytest.approx(1.0)
+    assert list(engine.scheduler.completed).count(("train",)) == 1
+
+
+# ---------------------------------------------------------------------- security (issue items 5-9)
+def test_links_out_of_the_allowed_folders_are_not_followed(tmp_path, micrograph, start):
+    folder, _, _ = micrograph
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    tifffile.imwrite(outside / "secret.tif", np.full((8, 8), 7, np.uint16))
+    (folder / "start-link.tif").symlink_to(outside / "secret.tif")   # in the start folder
+    sub = folder / "sub"
+    sub.mkdir()
+    tifffile.imwrite(sub / "ok.tif", np.full((8, 8), 3, np.uint16))
+    (sub / "link.tif").symlink_to(outside / "secret.tif")
+    session, _, client = start(folder)
+    assert [i["id"] for i in client.get("/api/state").json()["images"]] == ["m0"]
+    assert any("start-link.tif" in n and "outside" in n for n in client.get("/api/state").json()["notes"])
+
+    added = client.post("/api/images/add", json={"path": str(sub)})
+    assert added.status_code == 200 and added.json()["ids"] == ["ok"]
+    assert len(added.json()["skipped"]) == 1 and "link.tif" in added.json()["skipped"][0]
+    single = client.post("/api/images/add", json={"path": str(sub / "link.tif")})
+    assert single.status_code == 403 and "outside" in single.json()["detail"]
+    assert [i["id"] for i in client.get("/api/state").json()["images"]] == ["m0", "ok"]
+
+    # A file added and later swapped for a link is not read through it.
+    (sub / "ok.tif").unlink()
+    (sub / "ok.tif").symlink_to(outside / "secret.tif")
+    swapped = client.get("/api/images/ok/display.png")
+    assert swapped.status_code == 403 and "symbolic link" in swapped.json()["detail"]
+
+
+def test_another_sites_page_cannot_load_images_or_make_predictions(tmp_path, micrograph, start):
+    """<img> and <script> tags of another site send no Origin, but the browser says Sec-Fetch-Site."""
+    folder, image, truth = micrograph
+    tifffile.imwrite(folder / "m1.tif", image)
+    _, engine, client = start(folder)
+    draw_and_train(client, truth)
+    img_tag = {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors", "Sec-Fetch-Dest": "image"}
+    for path in ("/api/images/m1/prediction.png", "/api/images/m1/display.png", "/api/images/nope/display.png",
+                 "/api/state"):
+        refused = client.get(path, headers=img_tag)
+        assert refused.status_code == 403 and "another site" in refused.json()["detail"], path
+    assert "m1" not in engine.predicted   # nothing was computed for it
+    other_port = {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "no-cors", "Sec-Fetch-Dest": "script"}
+    assert client.get("/static/app.js", headers=other_port).status_code == 403
+    framed = {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "iframe"}
+    assert client.get("/", headers=framed).status_code == 403
+    link = {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"}
+    page = client.get("/", headers=link)   # following a link to the app opens its page, which holds no data
+    assert page.status_code == 200 and page.headers["X-Frame-Options"] == "DENY"
+    own = client.get("/api/images/m1/display.png", headers={"Sec-Fetch-Site": "same-origin"})
+    assert own.status_code == 200 and own.headers["Cross-Origin-Resource-Policy"] == "same-origin"
+
+
+def _serve(app):
+    """The app on a real uvicorn server in this process: (base URL, stop())."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+
+    def stop():
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
+
+
+def test_a_flood_of_train_requests_is_coalesced_and_abandoned_ones_dropped(tmp_path, micrograph, start):
+    """200 concurrent Trains arrive while the worker is busy, from clients that give up after 1 s:
+    each is answered (409, superseded by a newer one) or dropped when its client leaves, /api/state
+    answers within 1 s meanwhile, nothing is left queued, and a later Train runs once, on its own."""
+    import httpx
+
+    folder, _, truth = micrograph
+    session, engine, client = start(folder)
+    for name in ("dark", "middle", "bright"):
+        client.post("/api/classes", json={"name": name})
+    for value, points in strokes_from(truth).items():
+        client.post("/api/images/m0/strokes", json={"class": value, "radius": 1.5, "points": points})
+    base, stop = _serve(create_app(session, engine))
+    gate = threading.Event()
+    engine.scheduler.submit(("busy",), gate.wait, 0, keep=True)   # the worker is busy (a long feature job, say)
+    try:
+        def impatient(_):
+            try:
+                return httpx.post(f"{base}/api/train", json={"image": "m0"}, timeout=1.0).status_code
+            except httpx.TimeoutException:
+                return "gave up"
+
+        with ThreadPoolExecutor(50) as pool:
+            answers = list(pool.map(impatient, range(200)))
+        # Superseded ones are answered at once; the rest waited in line for the 2 cores, or were the newest.
+        assert answers.count(409) > 0 and answers.count(409) + answers.count("gave up") == 200, answers
+        assert httpx.get(f"{base}/api/state", timeout=1.0).status_code == 200   # raises if it takes longer
+        for _ in range(100):   # the last one queued is dropped once the server sees its client gone
+            if ("train",) not in engine.scheduler.queued():
+                break
+            time.sleep(0.05)
+        assert engine.scheduler.queued() == []
+        with ThreadPoolExecutor(1) as pool:
+            patient = pool.submit(httpx.post, f"{base}/api/train", json={"image": "m0"}, timeout=120)
+            time.sleep(0.5)
+            gate.set()
+            assert patient.result().status_code == 200
+        assert list(engine.scheduler.completed).count(("train",)) == 1
+    finally:
+        gate.set()
+        stop()
+
+
+# Pillow's own warning for 13000² (the tests keep Pillow's default limit; alibi-vit app sets it to the cap)
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+def test_decompression_bombs_are_refused_from_their_header(tmp_path, micrograph, start):
+    folder, _, _ = micrograph
+    session, _, client = start(folder, raise_server_exceptions=False)
+    bomb = png_claiming(60000, 60000)   # decodes to 3.6 Gpx
+    refused = client.post("/api/images?name=bomb.png", content=bomb)
+    assert refused.status_code == 413 and "decompression bomb" in refused.json()["detail"], refused.text
+    assert "3600000000 pixels" in refused.json()["detail"]   # Pillow's count, from the header
+    sparse = io.BytesIO()
+    Image.new("1", (13000, 13000)).save(sparse, "PNG")   # a real 1-bit PNG of ~20 KB: 169 Mpx
+    assert len(sparse.getvalue()) < 50_000
+    refused = client.post("/api/images?name=sparse.png", content=sparse.getvalue())
+    assert refused.status_code == 413 and "13000×13000" in refused.json()["detail"]
+    assert "67.1 Mpx" in refused.json()["detail"] and "--max-megapixels" in refused.json()["detail"]
+    assert not list((tmp_path / "session" / "uploads").iterdir())
+    (folder / "bomb.png").write_bytes(bomb)
+    assert client.post("/api/images/add", json={"path": str(folder / "bomb.png")}).status_code == 413
+    assert [i["id"] for i in client.get("/api/state").json()["images"]] == ["m0"]
+    # The cap is a setting: a session capped below the image's 160 × 160 px skips it at start.
+    capped = Session(tmp_path / "capped", [folder / "m0.tif"], max_pixels=100 * 100)
+    assert not capped.images and "over the app's limit of 0.0 Mpx" in capped.skipped[0]
+
+
+def test_every_malformed_request_gets_a_4xx_with_a_reason(tmp_path, micrograph, start):
+    folder, _, _ = micrograph
+    _, _, client = start(folder, raise_server_exceptions=False)
+    client.post("/api/classes", json={"name": "a"})
+    strokes = "/api/images/m0/strokes"
+    bad = [
+        ("POST", "/api/images/add", {"json": {"path": "/" + "x" * 6000}}),
+        ("POST", "/api/images/add", {"json": {"path": str(folder / ("x" * 300))}}),
+        ("POST", strokes, {"json": {"class": 1, "radius": 3, "points": [[1e308, 1e308]]}}),
+        ("POST", strokes, {"json": {"class": [1], "radius": 3, "points": [[1, 1]]}}),
+        ("POST", strokes, {"json": {"class": True, "radius": 3, "points": [[1, 1]]}}),
+        ("POST", strokes, {"json": {"class": 1, "radius": True, "points": [[1, 1]]}}),
+        ("POST", strokes, {"json": {"class": 1, "radius": 3, "points": [[1, "x"]]}}),
+        ("POST", strokes, {"json": {"class": 1, "radius": 3, "points": [[1, 2, 3]]}}),
+        ("POST", strokes, {"json": {"erase": True, "class": [1], "radius": 3, "points": [[1, 1]]}}),
+        ("POST", strokes, {"json": {"class": 1, "radius": 256, "points": [[i % 160, i // 32] for i in range(5000)]}}),
+        ("POST", strokes, {"json": [1, 2]}),
+        ("POST", strokes, {"content": b"not json", "headers": {"Content-Type": "application/json"}}),
+        ("POST", "/api/save", {"json": {"what": [["labels"]]}}),
+        ("POST", "/api/save", {"json": {"what": ["labels"], "image": ["x"]}}),
+        ("POST", "/api/train", {"json": {"image": ["x"]}}),
+        ("POST", "/api/classes", {"json": {"name": "x" * 1000}}),
+        ("POST", "/api/classes", {"json": {"name": "a\x00b"}}),
+        ("POST", "/api/classes", {"json": {"name": "right\u202eto left"}}),
+        ("POST", "/api/classes", {"json": {"name": ["a"]}}),
+        ("PATCH", "/api/classes/1", {"json": {"color": 5}}),
+        ("PUT", "/api/settings", {"json": {"crf": "yes"}}),
+        ("PUT", "/api/settings", {"json": {"colour": True}}),
+        ("POST", "/api/images/m0/undo", {"json": {"version": "x"}}),
+    ]
+    for method, path, kwargs in bad:
+        answer = client.request(method, path, **kwargs)
+        assert 400 <= answer.status_code < 500, (method, path, str(kwargs)[:100], answer.status_code, answer.text[:200])
+        assert answer.json()["detail"], answer.text
+    assert "too large" in client.post(strokes, json=bad[9][2]["json"]).json()["detail"]
+    assert "at most 60 characters" in client.post("/api/classes", json={"name": "x" * 61}).json()["detail"]
+    assert [c["name"] for c in client.get("/api/state").json()["classes"]] == ["a"]
+    assert client.get("/api/state").json()["images"][0]["version"] == 0   # not one of them changed the labels
+    # A 300-character upload name is kept short on disk (the file system allows 255 bytes).
+    long_name = client.post("/api/images?name=" + "n" * 300 + ".png", content=small_png(value=3000, dtype=np.uint16))
+    assert long_name.status_code == 200, long_name.text
+    assert all(len(p.name) <= 110 for p in (tmp_path / "session" / "uploads").iterdir())
+
+
+# ---------------------------------------------------------------------- wrong result, crash (items 10, 11)
+def test_images_of_another_bit_depth_are_refused_with_a_reason(tmp_path, start):
+    """A mixed folder: the kind most images share is kept (8-bit grey), the 16-bit and the colour
+    image are skipped and named; an upload of another kind is refused; the images kept look right."""
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for name in ("a", "b"):
+        Image.fromarray(rng.integers(20, 230, (40, 50), dtype=np.uint8)).save(folder / f"{name}.png")
+    tifffile.imwrite(folder / "deep.tif", rng.integers(0, 60000, (40, 50), dtype=np.uint16))
+    Image.fromarray(rng.integers(0, 255, (40, 50, 3), dtype=np.uint8)).save(folder / "colour.png")
+    session, _, client = start(folder)
+    state = client.get("/api/state").json()
+    assert [i["id"] for i in state["images"]] == ["a", "b"] and {i["kind"] for i in state["images"]} == {"uint8 grey"}
+    notes = " ".join(state["notes"])
+    assert "deep.tif is 16-bit grey" in notes and "colour.png is 8-bit colour" in notes and "8-bit grey" in notes
+    shown = read_png(client.get("/api/images/a/display.png").content)
+    assert shown.min() < 30 and shown.max() > 220   # the session's range stretches 8-bit values, not 16-bit ones
+    tiff = io.BytesIO()
+    tifffile.imwrite(tiff, np.full((40, 50), 3000, np.uint16))
+    refused = client.post("/api/images?name=deep2.tif", content=tiff.getvalue())
+    assert refused.status_code == 400 and "16-bit grey" in refused.json()["detail"]
+    assert "this session's images are 8-bit grey" in refused.json()["detail"]
+    assert not list((tmp_path / "session" / "uploads").iterdir())
+
+
+def test_an_unreadable_start_image_is_skipped_with_a_warning(tmp_path, micrograph, start):
+    folder, _, _ = micrograph
+    (folder / "broken.tif").write_bytes(b"II*\0 not really a TIFF")
+    session, _, client = start(folder)
+    state = client.get("/api/state").json()
+    assert [i["id"] for i in state["images"]] == ["m0"]
+    assert len(state["notes"]) == 1 and "broken.tif" in state["notes"][0] and "cannot be read" in state["notes"][0]
+
+
+# ---------------------------------------------------------------------- session files (items 17, 18)
+def test_session_files_get_the_permissions_of_any_new_file(tmp_path, micrograph, start):
+    folder, _, truth = micrograph
+    old = os.umask(0o022)
+    try:
+        (tmp_path / "reference").write_bytes(b"")   # what the umask gives a file made with open()
+        want = (tmp_path / "reference").stat().st_mode & 0o777
+        _, engine, client = start(folder)
+        draw_and_train(client, truth)
+        client.post("/api/images?name=up.png", content=small_png(value=3000, dtype=np.uint16))
+        engine.close()
+    finally:
+        os.umask(old)
+    files = [p for p in (tmp_path / "session").rglob("*") if p.is_file()]
+    assert {p.name: p.stat().st_mode & 0o777 for p in files} == {p.name: want for p in files}
+    assert {p.relative_to(tmp_path / "session").parts[0] for p in files} >= {"session.json", "labels", "strokes",
+                                                                             "uploads", "model"}
+
+
+def test_api_md_documents_every_endpoint(micrograph, start):
+    import re
+
+    from alibi_vit.app.server import STATIC
+
+    folder, _, _ = micrograph
+    _, _, client = start(folder)
+    api_md = (STATIC.parent / "API.md").read_text()
+    routes = sorted((method, route.path.replace("{image_id}", "{id}").replace("{job_id}", "{job}"))
+                    for route in client.app.routes if route.path.startswith("/api/") for method in route.methods)
+    assert len(routes) > 15
+    missing = [f"{m} {p}" for m, p in routes if not re.search(rf"`{m} {re.escape(p)}[`? ]", api_md)]
+    assert not missing, f"API.md does not document {missing}"
+
+
+# ---------------------------------------------------------------------- the worker's scheduling (item 12)
+def test_scheduler_runs_by_priority_coalesces_and_supersedes():
+    from alibi_vit.app.scheduler import Cancelled, Scheduler
+
+    scheduler = Scheduler()
+    try:
+        gate, ran = threading.Event(), []
+        scheduler.submit("gate", gate.wait, 0, keep=True)   # holds the worker while the rest is queued
+        background = scheduler.submit("b", lambda: ran.append("background"), 2, keep=True)
+        shown = scheduler.submit("s", lambda: ran.append("shown"), 1)
+        first = scheduler.submit("train", lambda: ran.append("train 1"), 0, replace=True)
+        again = scheduler.submit("s", lambda: ran.append("shown twice"), 0)   # joins, and raises its priority
+        newest = scheduler.submit("train", lambda: ran.append("train 2") or "model", 0, replace=True)
+        flip = scheduler.submit("flip", lambda: ran.append("flip"), 2, keep=True)
+        for priority in (1, 2, 1, 2):   # an image shown, left, shown, left again
+            scheduler.reprioritise(lambda key: key == "flip", priority)
+        assert again is shown and shown.waiters == 2
+        with pytest.raises(Cancelled, match="superseded"):
+            first.future.result(timeout=5)
+        gate.set()
+        assert newest.future.result(timeout=5) == "model"
+        background.future.result(timeout=5)
+        flip.future.result(timeout=5)
+        assert ran == ["shown", "train 2", "background", "flip"]   # shown was raised to 0 before train 2 was queued
+    finally:
+        scheduler.close()
+
+
+def test_scheduler_drops_work_nobody_waits_for_and_background_work_gives_way():
+    from alibi_vit.app.scheduler import Cancelled, Scheduler
+
+    scheduler = Scheduler()
+    try:
+        gate, events = threading.Event(), []
+        scheduler.submit("gate", gate.wait, 0, keep=True)
+        abandoned = scheduler.submit("p", lambda: events.append("abandoned ran"), 0)
+        scheduler.release(abandoned)   # its only requester went away before it started
+        with pytest.raises(Cancelled, match="nobody waits"):
+            abandoned.future.result(timeout=5)
+
+        started = threading.Event()
+
+        def long_background():   # ten tiles, a checkpoint after each
+            for tile in range(10):
+                started.set()
+                events.append(f"tile {tile}")
+                time.sleep(0.02)
+                scheduler.checkpoint()
+            return "features"
+
+        def tiles_done():
+            return [e for e in events if e.startswith("tile")]
+
+        background = scheduler.submit("features", long_background, 2, keep=True)
+        gate.set()
+        started.wait(5)
+        urgent = scheduler.submit("train", lambda: events.append(f"train after {len(tiles_done())} tiles"), 0)
+        assert background.future.result(timeout=10) == "features"
+        urgent.future.result(timeout=5)
+        train_at = next(e for e in events if e.startswith("train"))
+        assert int(train_at.split()[2]) < 10   # it ran between the tiles, not after all of them
+        assert len(set(tiles_done())) == 10   # and the background job still finished all its tiles
+        assert "abandoned ran" not in events
+    finally:
+        scheduler.close()

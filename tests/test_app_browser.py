@@ -390,11 +390,11 @@ def test_bad_input_shows_the_servers_message(micrograph, servers, new_page, tmp_
     assert server.alive()
     assert server.json("GET", "/api/state")["model"] is None
 
-    # A good upload: the image is listed and shown.
+    # A good upload (16-bit grey, as the session's images): the image is listed and shown.
     from PIL import Image
 
     png = io.BytesIO()
-    Image.fromarray((np.arange(64 * 80) % 251).reshape(64, 80).astype(np.uint8)).save(png, "PNG")
+    Image.fromarray((np.arange(64 * 80) * 13 % 4001).reshape(64, 80).astype(np.uint16)).save(png, "PNG")
     page.set_input_files("#upload", files=[{"name": "small grey.png", "mimeType": "image/png", "buffer": png.getvalue()}])
     page.wait_for_function("() => window.appTimings.some(t => t.event === 'image_shown' && t.width === 80)")
     images = server.json("GET", "/api/state")["images"]
@@ -413,3 +413,223 @@ def test_speed_benchmark_script_runs(tmp_path):
     assert result["measured_s"]["features_ready_s"] > 0 and result["measured_s"]["stroke_to_overlay_s"] > 0
     assert result["measured_s"]["image_shown_4096_s"] is None
     assert "| open a 256² image" in (tmp_path / "app_speed_cpu.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------ issue 27
+def train_three_phases(page, truth, radius: int = 4) -> dict[int, int]:
+    """Three classes (PHASES), strokes inside each phase, Train; returns phase → class value."""
+    values = {phase: add_class(page, name) for phase, name in enumerate(PHASES, start=1)}
+    for phase, value in values.items():
+        page.keyboard.press(str(value))
+        for stroke in strokes_inside(truth, phase, 2, radius):
+            draw(page, stroke)
+    count = len(app_driver.timings(page, "train"))
+    page.click("#train")
+    wait_timing(page, "train", None, count + 1, timeout_ms=120_000)
+    return values
+
+
+def visible_in(page, inner: str, outer: str) -> bool:
+    """Whether the element ``inner`` lies wholly inside the box of ``outer`` and inside the window."""
+    return page.evaluate("""([a, b]) => {
+        const r = document.querySelector(a).getBoundingClientRect(), o = document.querySelector(b).getBoundingClientRect();
+        return r.width > 0 && r.height > 0 && r.left >= o.left - 0.5 && r.right <= o.right + 0.5 && r.top >= o.top - 0.5
+            && r.bottom <= o.bottom + 0.5 && r.bottom <= window.innerHeight && r.right <= window.innerWidth;
+    }""", [inner, outer])
+
+
+def test_two_tabs_undo_only_what_each_shows(micrograph, servers, new_page, tmp_path):
+    """Tab A has not heard from the server since tab B drew (its state requests fail, as between two
+    polls): A's Ctrl+Z undoes nothing, and A then shows B's stroke. Idle, A picks up B's next stroke
+    by itself, and an undo then removes that stroke, which A shows."""
+    data, truth = micrograph
+    server = servers(data, tmp_path / "session")
+    a = new_page()
+    open_app(a, server)
+    open_image(a)
+    matrix, pores = add_class(a, "matrix"), add_class(a, "pores")
+    a.keyboard.press(str(matrix))
+    draw(a, [(40, 40), (80, 40)])
+    b = new_page()
+    open_app(b, server)
+    open_image(b)
+    b.wait_for_function("() => window.app.labels !== null")
+
+    a.route("**/api/state", lambda route: route.abort())   # A hears nothing more of the state
+    b.keyboard.press(str(pores))
+    draw(b, [(150, 150), (200, 150)])
+    with_b = server.png("/api/images/m0/labels.png")
+    assert (with_b == pores).sum() > 0 and (with_b == matrix).sum() > 0
+    a.keyboard.press("Control+z")
+    a.wait_for_function("() => document.getElementById('status').textContent.includes('another tab')")
+    np.testing.assert_array_equal(server.png("/api/images/m0/labels.png"), with_b)   # nothing undone
+    colours = {c["value"]: c["color"] for c in server.json("GET", "/api/state")["classes"]}
+    a.wait_for_function("v => window.app.labelsVersion === v", arg=server.json("GET", "/api/state")["images"][0]["version"])
+    assert label_layer_counts(a, colours) == value_counts(with_b, colours)   # A shows B's stroke now
+
+    a.unroute("**/api/state")
+    b.keyboard.press(str(pores))
+    draw(b, [(150, 200), (200, 200)])
+    version = server.json("GET", "/api/state")["images"][0]["version"]
+    a.wait_for_function("v => window.app.labelsVersion === v", arg=version, timeout=20_000)   # no click in A
+    a.keyboard.press("Control+z")   # A shows B's second stroke: undoing it is what A asks for
+    a.wait_for_function("() => document.getElementById('status').textContent === 'undone'")
+    np.testing.assert_array_equal(server.png("/api/images/m0/labels.png"), with_b)
+
+
+def test_train_waits_only_for_its_own_images(micrograph, servers, new_page, tmp_path):
+    """Open a 2048² image (its features start: four 1036² tiles), go back to the small labelled
+    image and Train: the model and its prediction come while the large image's features are still
+    being computed, not after them."""
+    import tifffile
+
+    data, truth = micrograph
+    folder = tmp_path / "images"
+    folder.mkdir()
+    image = tifffile.imread(data / "m0.tif")
+    tifffile.imwrite(folder / "m0.tif", image)
+    tifffile.imwrite(folder / "big.tif", np.tile(image, (8, 8)))   # 2048² px, 1.1 GB of classical features
+    server = servers(folder, tmp_path / "session", "--cache-gb", "2")
+    page = new_page()
+    open_app(page, server)
+    open_image(page, "m0")
+    values = {phase: add_class(page, name) for phase, name in enumerate(PHASES, start=1)}
+    for phase, value in values.items():
+        page.keyboard.press(str(value))
+        for stroke in strokes_inside(truth, phase, 2, 4):
+            draw(page, stroke)
+
+    page.click('.image-row[data-id="big"]')
+    wait_timing(page, "image_shown", "big", 1, timeout_ms=60_000)
+    page.wait_for_function("() => window.app.state.images.find(i => i.id === 'big').features === 'running'")
+    page.click('.image-row[data-id="m0"]')
+    wait_timing(page, "image_shown", "m0", 2, timeout_ms=30_000)
+    page.click("#train")
+    wait_timing(page, "train", None, 1, timeout_ms=120_000)
+    big = next(i for i in server.json("GET", "/api/state")["images"] if i["id"] == "big")
+    assert big["features"] == "running" and big["progress"] < 1, big
+    assert page.get_attribute("#overlay-layer", "data-kind") == "prediction" and page.locator("#overlay-layer").is_visible()
+
+
+def test_two_hundred_images_and_a_stack_leave_the_panels_in_view(tmp_path, servers, new_page):
+    """200 images and a 20-page stack with a long name: the image list scrolls by itself (real mouse
+    wheel), the class and brush panels stay in the window, and every stack page shows its number."""
+    import tifffile
+
+    folder = tmp_path / "many"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(200):
+        tifffile.imwrite(folder / f"sample_{i:03d}.tif", rng.integers(0, 4000, (16, 16), dtype=np.uint16))
+    stack = "focused_ion_beam_stack_of_the_nickel_superalloy_sample_after_ageing.tif"
+    tifffile.imwrite(folder / stack, rng.integers(0, 4000, (20, 16, 16), dtype=np.uint16))
+    (folder / "broken.tif").write_bytes(b"II*\0 not a TIFF")
+    server = servers(folder, tmp_path / "session")
+    page = new_page()
+    open_app(page, server)
+    assert page.locator(".image-row").count() == 220
+    page.click("#notes summary")   # the file skipped at start is named in the page, and on stderr
+    assert "broken.tif cannot be read" in page.inner_text("#notes ul")
+    assert "alibi-vit app: warning: broken.tif cannot be read" in server.log.read_text()
+    add_class(page, "matrix")
+    for panel in ("#classes-panel", "#brush-panel"):
+        assert visible_in(page, panel, "#left"), panel
+    scroll = "() => document.getElementById('image-list').scrollTop"
+    assert page.evaluate("() => { const l = document.getElementById('image-list'); return l.scrollHeight > l.clientHeight; }")
+    box = page.locator("#image-list").bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    for _ in range(40):
+        page.mouse.wheel(0, 400)
+    page.wait_for_function(f"() => ({scroll})() > 3000")
+    assert visible_in(page, "#classes-panel", "#left")
+    last = page.locator('.image-row[data-id="sample_199"]')
+    if not visible_in(page, '.image-row[data-id="sample_199"]', "#image-list"):
+        last.scroll_into_view_if_needed()
+    row = last.bounding_box()
+    page.mouse.click(row["x"] + row["width"] / 2, row["y"] + row["height"] / 2)
+    page.wait_for_function("() => window.app.current === 'sample_199'")
+
+    texts = []
+    for z in range(20):
+        row = f'.image-row[data-id="{Path(stack).stem}_z{z:03d}"]'
+        page.locator(row).scroll_into_view_if_needed()
+        assert visible_in(page, f"{row} .page", row), z   # the page number is never cut off
+        assert page.evaluate("s => { const e = document.querySelector(s); return e.scrollWidth <= e.clientWidth; }",
+                             f"{row} .page")
+        texts.append(page.inner_text(f"{row} .page"))
+    assert texts == [f"[page {z}]" for z in range(20)]
+
+
+def test_after_training_images_show_predictions_and_stale_overlays_say_so(micrograph, servers, new_page, tmp_path):
+    """Items 14-16: another image shows the current model's prediction when opened; Predict all
+    gives every image its area fractions; a stroke or a CRF switch marks the overlay stale until
+    Train or Predict; the uncertainty view has a legend; a long class name leaves the area column
+    in view."""
+    import tifffile
+
+    data, truth = micrograph
+    folder = tmp_path / "images"
+    folder.mkdir()
+    image = tifffile.imread(data / "m0.tif")
+    tifffile.imwrite(folder / "m0.tif", image)
+    tifffile.imwrite(folder / "m1.tif", np.ascontiguousarray(image[::-1]))
+    server = servers(folder, tmp_path / "session")
+    page = new_page()
+    open_app(page, server)
+    open_image(page, "m0")
+    long_name = "grain_boundary_precipitates_of_the_gamma_prime_phase_aged"   # no space to wrap at
+    values = {phase: add_class(page, name if phase != 2 else long_name) for phase, name in enumerate(PHASES, start=1)}
+    for phase, value in values.items():
+        page.keyboard.press(str(value))
+        for stroke in strokes_inside(truth, phase, 2, 4):
+            draw(page, stroke)
+    page.click("#train")
+    wait_timing(page, "train", None, 1, timeout_ms=120_000)
+    assert not page.evaluate("() => window.app.overlayStale")
+    for cell in range(1, 4):   # item 14: every area is in view, the long name shortened
+        assert visible_in(page, f"#fractions tbody tr:nth-child({cell}) td.num", "#right"), cell
+
+    # Item 15: another image shows the current model's prediction on opening, without Train.
+    page.click('.image-row[data-id="m1"]')
+    page.wait_for_function("() => window.app.current === 'm1' && window.app.overlayShown")
+    assert page.locator("#overlay-layer").is_visible() and not page.evaluate("() => window.app.overlayStale")
+    assert len(app_driver.timings(page, "train")) == 1
+    page.click("#predict-all")
+    page.wait_for_function("() => [...document.querySelectorAll('.image-row .fractions')].every(b => !b.hidden)")
+    for image_id in ("m0", "m1"):
+        shown = page.get_attribute(f'.image-row[data-id="{image_id}"] .fractions', "title")
+        for c in server.json("GET", f"/api/images/{image_id}/fractions")["classes"]:
+            assert f"{c['name']} {100 * c['fraction']:.1f} %" in shown, (shown, c)
+
+    # Item 16: a stroke, then a CRF switch, mark the overlay stale until Train, then Predict.
+    page.keyboard.press(str(values[1]))
+    draw(page, strokes_inside(truth[::-1], 1, 1, 3)[0])
+    page.wait_for_function("() => window.app.overlayStale")
+    assert "labels changed" in page.inner_text("#overlay-stale")
+    page.keyboard.press("t")
+    wait_timing(page, "train", None, 2, timeout_ms=120_000)
+    page.wait_for_function("() => !window.app.overlayStale")
+    page.check("#crf")
+    page.wait_for_function("() => window.app.overlayStale")
+    assert "CRF switched on" in page.inner_text("#overlay-stale")
+    page.keyboard.press("p")
+    page.wait_for_function("() => !window.app.overlayStale", timeout=120_000)
+    assert not page.locator("#uncertainty-legend").is_visible()
+    page.keyboard.press("u")
+    page.wait_for_function("() => document.getElementById('overlay-layer').dataset.kind === 'uncertainty'")
+    assert page.locator("#uncertainty-legend").is_visible() and "uncertain" in page.inner_text("#uncertainty-legend")
+    page.keyboard.press("u")
+    page.wait_for_function("() => document.getElementById('overlay-layer').dataset.kind === 'prediction'")
+    assert not page.locator("#uncertainty-legend").is_visible()
+
+
+def test_a_randomly_initialised_backbone_is_named_as_such(micrograph, servers, new_page, tmp_path):
+    data, _ = micrograph
+    server = servers(data, tmp_path / "session", "--backbone", "alibi_vit_small_patch14_reg4_dinov2",
+                     "--allow-random-init", "--model-arg", "depth=1", "--model-arg", "embed_dim=32",
+                     "--model-arg", "num_heads=2")
+    page = new_page()
+    open_app(page, server)
+    assert page.locator("#backbone-note").is_visible()
+    assert "random initialisation" in page.inner_text("#backbone-note")
+    assert "(random weights)" in page.inner_text("#backbone")

@@ -16,10 +16,11 @@ def test_smoke_mode_writes_expected_rows(tmp_path):
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out-dir", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "attention_cpu-smoke.json").read_text())
     assert report["smoke"] is True and report["command"].startswith("python benchmarks/bench_attention.py --smoke")
+    assert report["complete"] is True
     assert report["torch"] and report["triton"]
     got = {(r["mode"], r["slopes"], r["backend"]) for r in report["rows"]}
     biased = ("triton", "sdpa-bias", "eager")
@@ -68,3 +69,36 @@ def test_correctness_check_catches_a_backend_without_the_bias():
     # The bias-free SDPA checked as if it were a biased backend: its error is far above the threshold.
     worst, errors = bench.check("sdpa-bias", fns["sdpa-nobias"], q, k, v, None, grid, dout, True, "float32")
     assert worst > 100 * bench.TOLERANCE["float32"] and set(errors) == {"out", "dq", "dk", "dv"}
+
+
+def test_check_compares_the_slice_of_the_full_call_with_learned_slopes():
+    """The check runs the timed call on the whole batch and compares one batch element and two heads; the
+    upstream gradient is zero elsewhere, so the slopes' gradient is the slice's as well."""
+    import torch
+
+    from tests.helpers import benchmark_module
+
+    bench = benchmark_module("bench_attention")
+    grid, heads = (4, 4), 3
+    q, k, v, dout = (torch.randn(3, heads, bench.PREFIX + 16, 16, generator=torch.Generator().manual_seed(i))
+                     for i in range(4))
+    slopes = torch.tensor([0.5, 1.0, 2.0], requires_grad=True)
+    calls = []
+
+    def eager(q, k, v, s):
+        calls.append(q.shape)
+        return bench.backend_fns(["eager"], grid)["eager"](q, k, v, s)
+
+    worst, errors = bench.check("eager", eager, q, k, v, slopes, grid, dout, True, "float32")
+    assert calls == [q.shape]  # the timed shape, not a slice
+    assert set(errors) == {"out", "dq", "dk", "dv", "dslopes"} and worst <= bench.TOLERANCE["float32"]
+    # A wrong slope on a head outside the slice does not matter; on one inside it does.
+    worst_outside, _ = bench.check("eager", eager, q, k, v, torch.tensor([0.5, 1.0, 9.0], requires_grad=True), grid,
+                                   dout, True, "float32")
+    assert worst_outside <= bench.TOLERANCE["float32"]
+
+    def off(q, k, v, s):
+        return eager(q, k, v, s * torch.tensor([1.0, 1.5, 1.0]))
+
+    worst_inside, _ = bench.check("eager", off, q, k, v, slopes, grid, dout, True, "float32")
+    assert worst_inside > 10 * bench.TOLERANCE["float32"]

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
+tl = triton.language
 
 from kernels.alibi_bias import device_bias_lookup  # noqa: E402
 from kernels.attention import alibi_attention, eager_alibi_attention  # noqa: E402
@@ -114,19 +115,43 @@ def test_matches_reference_fp16(bias_mode):
     _run_and_compare((5, 4), 5, True, True, 64, bias_mode, "learned", torch.float16)
 
 
-@pytest.mark.parametrize("grid,prefix,wrap,normalize,bias_mode", [
-    ((6, 7), 5, True, True, "table"),   # N = 47: partial key and query tiles
-    ((5, 4), 1, False, False, "table"),
-    ((3, 3), 0, True, True, "table"),
-    ((4, 5), 5, True, True, "sqrt"),    # slopes=None without head pairs: one slope read by every head
+@pytest.mark.parametrize("grid,prefix,wrap,normalize,bias_mode,slopes", [
+    ((6, 7), 5, True, True, "table", "none"),   # N = 47: partial key and query tiles
+    ((5, 4), 1, False, False, "table", "none"),
+    ((3, 3), 0, True, True, "table", "none"),
+    ((4, 5), 5, True, True, "sqrt", "none"),    # slopes=None without head pairs: one slope read by every head
+    ((6, 7), 5, True, True, "table", "fixed"),  # a slope per head: one gathered tile, each head's own factor
+    ((5, 4), 1, True, False, "table", "learned"),
 ])
-def test_constant_slopes_with_head_pairs_match_reference(grid, prefix, wrap, normalize, bias_mode):
-    """slopes=None, 4 heads, fp16, table mode: each forward program computes two heads from one bias tile."""
+def test_head_pairs_match_reference(grid, prefix, wrap, normalize, bias_mode, slopes):
+    """4 heads, fp16, table mode: each forward and dQ program computes two heads from one gathered bias tile,
+    with one slope for all heads or each head's own (distinct per head, so a mix-up shows)."""
     from kernels import alibi_triton as at
 
     q = torch.zeros(1, 4, prefix + grid[0] * grid[1], 32, dtype=torch.float16)
-    assert at.head_pair(q, torch.ones(1), bias_mode == "table") == (bias_mode == "table")
-    _run_and_compare(grid, prefix, wrap, normalize, 32, bias_mode, "none", torch.float16, heads=4, seed=3)
+    assert at.head_pair(q, torch.ones(4), bias_mode == "table") == (bias_mode == "table")
+    _run_and_compare(grid, prefix, wrap, normalize, 32, bias_mode, slopes, torch.float16, heads=4, seed=3)
+
+
+@triton.jit
+def _loop_sum_kernel(X, Out, n, BLOCK: tl.constexpr):
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n, BLOCK):  # a run-time loop bound: the interpreter converts it with int()
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(X + offs, mask=offs < n, other=0.0)
+    tl.store(Out, tl.sum(acc, 0))
+
+
+@pytest.mark.skipif(CUDA, reason="checks Triton's CPU interpreter")
+def test_interpreter_runs_loops_with_run_time_bounds():
+    """Triton 3.6's interpreter converted loop bounds with int() on a one-element array, which numpy >= 2.4
+    refuses; kernels.triton_interpreter makes it take the scalar (applied once, on import of the kernels)."""
+    from kernels import triton_interpreter
+
+    assert not triton_interpreter.patch()  # already applied by kernels.alibi_triton
+    x, out = torch.arange(37, dtype=torch.float32), torch.zeros(1)
+    _loop_sum_kernel[(1,)](x, out, 37, BLOCK=8)
+    assert out.item() == sum(range(37))
 
 
 def test_bias_follows_spec_formula():
@@ -322,6 +347,35 @@ def test_atomic_dq_matches_reference_without_the_dq_kernel(grid, prefix, dtype, 
     assert at.atomic_dq_enabled() == before
 
 
+def test_atomic_dq_by_default_for_16_bit_head_dim_up_to_64(monkeypatch):
+    """The backward the proxy picked runs without settings; one switch away the deterministic two-kernel one;
+    torch's deterministic mode always wins."""
+    from kernels import alibi_triton as at
+
+    def q(d, dtype):
+        return torch.zeros(1, 1, 1, d, dtype=dtype)
+
+    with at.atomic_dq(None):
+        assert at.atomic_dq_enabled(q(64, torch.bfloat16)) and at.atomic_dq_enabled(q(32, torch.float16))
+        assert not at.atomic_dq_enabled(q(128, torch.bfloat16)) and not at.atomic_dq_enabled(q(64, torch.float32))
+        with at.atomic_dq(False):
+            assert not at.atomic_dq_enabled(q(64, torch.bfloat16))
+        with at.atomic_dq(True):
+            assert at.atomic_dq_enabled(q(128, torch.bfloat16))
+            monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+            assert not at.atomic_dq_enabled(q(64, torch.bfloat16))
+
+
+def test_atomic_dq_setting_is_checked():
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ALIBI_TRITON_ATOMIC_DQ": "yes"}
+    proc = subprocess.run([sys.executable, "-c", "import kernels.alibi_triton"], env=env, capture_output=True,
+                          text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode != 0 and "ALIBI_TRITON_ATOMIC_DQ must be one of ('auto', '1', '0')" in proc.stderr
+
+
 @pytest.mark.skipif(CUDA, reason="swaps the interpreter's dK/dV tile config")
 @pytest.mark.parametrize("block_m", [32, 64])
 @pytest.mark.parametrize("head_dim,bias_mode,slope_kind", [(32, "table", "learned"), (64, "sqrt", "fixed")])
@@ -356,27 +410,28 @@ def test_autocast_runs_in_the_autocast_dtype():
         _check(g, r, TOL[torch.float16][1], name)
 
 
-@pytest.mark.parametrize("grid,prefix,dtype,learned", [
-    ((12, 12), 6, torch.float32, True),   # N = 150: wide partial key tiles (22 of 64 keys)
-    ((11, 12), 1, torch.float16, False),  # N = 133: a narrow 16-key tail (5 keys); head pairs
+@pytest.mark.parametrize("grid,prefix,dtype,learned,d", [
+    ((12, 12), 6, torch.float32, True, 64),   # N = 150: wide partial key tiles (22 of 64 keys)
+    ((11, 12), 1, torch.float16, False, 64),  # N = 133: a narrow 16-key tail (5 keys); head pairs
+    ((5, 6), 1, torch.float16, True, 128),    # head_dim 128: the dK/dV kernel's 16-row query tiles
 ])
-def test_gpu_default_tiles_under_the_interpreter(grid, prefix, dtype, learned):
-    """The GPU's default tiles (64-128 rows/cols, not the interpreter's 16/32) through all three
-    kernels against the reference: learned slopes one head per program (fp32), or one slope for all
-    heads, two heads per forward and dQ program (fp16)."""
+def test_gpu_default_tiles_under_the_interpreter(grid, prefix, dtype, learned, d):
+    """The GPU's default tiles (16-128 rows/cols, not the interpreter's 16/32) through all three
+    kernels of the two-kernel backward against the reference: learned slopes one head per program (fp32,
+    head_dim 128), or one slope for all heads, two heads per forward and dQ program (fp16)."""
     from kernels import alibi_triton as at
 
-    d, heads = 64, 2
+    heads = 2
     q, k, v, do, slopes = _inputs(1, heads, grid, prefix, d, dtype, seed=43)
     if not learned:
         slopes = torch.ones(1, device=DEVICE)  # what slopes=None hands the launch helpers
     n = q.shape[2]
     geometry = grid, device_bias_lookup(*grid, prefix, True, True, True, q.device)
-    cfg = {kind: at.gpu_launch_configs(kind, d)[0].kwargs for kind in ("fwd", "dkdv", "dq")}
+    cfg = {kind: at.gpu_launch_configs(kind, d, learned=learned)[0].kwargs for kind in ("fwd", "dkdv", "dq")}
     assert cfg["fwd"]["BLOCK_M"] >= 64 and cfg["dkdv"]["BLOCK_N"] >= 64 and cfg["dq"]["BLOCK_M"] >= 64
     o, lse = at._new_bnhd(q), torch.empty(1, heads, n, device=DEVICE)
     args, kw = at._fwd_args(q, k, v, o, lse, slopes, geometry, True, True)
-    assert kw["HEAD_PAIR"] == (not learned)
+    assert kw["HEAD_PAIR"] == (dtype != torch.float32 and d <= 64)
     programs = heads // 2 if kw["HEAD_PAIR"] else heads
     at._alibi_fwd_kernel[(triton.cdiv(n, cfg["fwd"]["BLOCK_M"]), programs, 1)](*args, **kw, **cfg["fwd"])
     dsl = torch.empty(1, heads, n, device=DEVICE)
@@ -427,21 +482,27 @@ def test_gpu_autotuner_prunes_to_the_offered_configs(which, autotune, monkeypatc
     key = at._config_key
     # The autotuner holds each config once, whichever lists share it.
     assert len({key(c) for c in tuner.configs}) == len(tuner.configs)
+    forms = [(False, False), (True, False), (False, True), (True, True)] if which == "dkdv" else [(False, False)]
     for head_dim in at.SUPPORTED_HEAD_DIMS:
         for table in (True, False):
             for dtype in (torch.bfloat16, torch.float32):
-                kwargs = dict(HEAD_DIM=head_dim, TABLE=table, WRAP=True, COMPUTE_DSLOPE=False,
-                              DOT_PREC=at._dot_precision(dtype))
-                positional = [name for name in tuner.arg_names if name not in kwargs and "BLOCK" not in name]
-                tuner.nargs = {name: 0 for name in positional}
-                tuner.nargs["Q"] = torch.zeros(1, dtype=dtype)
-                got = tuner.prune_configs(kwargs)
-                group = "fp32" if dtype == torch.float32 else ("small" if head_dim <= 64 else "large",
-                                                               "table" if table else "sqrt")
-                want = [key(c) for c in at._CONFIGS[which][group]]
-                assert [key(c) for c in got] == (want if autotune else want[:1]), (head_dim, table, dtype)
-                assert all(c in tuner.configs for c in got)  # the autotuner's own objects
-                assert all(cfg.kwargs["BLOCK_M"] >= 16 and cfg.kwargs["BLOCK_N"] >= 16 for cfg in got)
+                for atomic, learned in forms:
+                    kwargs = dict(HEAD_DIM=head_dim, TABLE=table, WRAP=True, COMPUTE_DSLOPE=learned,
+                                  DOT_PREC=at._dot_precision(dtype), **({"ATOMIC_DQ": atomic} if which == "dkdv" else {}))
+                    positional = [name for name in tuner.arg_names if name not in kwargs and "BLOCK" not in name]
+                    tuner.nargs = {name: 0 for name in positional}
+                    tuner.nargs["Q"] = torch.zeros(1, dtype=dtype)
+                    got = tuner.prune_configs(kwargs)
+                    group = "fp32" if dtype == torch.float32 else ("small" if head_dim <= 64 else "large",
+                                                                   "table" if table else "sqrt")
+                    name = "dkdv_atomic" if atomic else which
+                    want = [key(c) for c in at._LEARNED_CONFIGS.get((name, group), at._CONFIGS[name][group])] \
+                        if learned else [key(c) for c in at._CONFIGS[name][group]]
+                    assert [key(c) for c in got] == (want if autotune else want[:1]), (head_dim, table, dtype, atomic)
+                    assert all(c in tuner.configs for c in got)  # the autotuner's own objects
+                    assert all(cfg.kwargs["BLOCK_M"] >= 16 and cfg.kwargs["BLOCK_N"] >= 16 for cfg in got)
+    # The atomic-dQ dK/dV kernel with learned slopes at head_dim 64 takes 32-row query tiles (its 64-row ones spill).
+    assert at.gpu_launch_configs("dkdv", 64, atomic_dq=True, learned=True)[0].kwargs["BLOCK_M"] == 32
 
 
 def test_every_gpu_call_is_offered_a_launch_config():
@@ -452,8 +513,11 @@ def test_every_gpu_call_is_offered_a_launch_config():
         for head_dim in at.SUPPORTED_HEAD_DIMS:
             for table in (True, False):
                 for fp32 in (True, False):
-                    keys = [at._config_key(c) for c in at.gpu_launch_configs(kind, head_dim, table, fp32)]
-                    assert keys and len(set(keys)) == len(keys), (kind, head_dim, table, fp32)
+                    for atomic in (False, True):
+                        for learned in (False, True):
+                            keys = [at._config_key(c) for c in at.gpu_launch_configs(kind, head_dim, table, fp32,
+                                                                                     atomic, learned)]
+                            assert keys and len(set(keys)) == len(keys), (kind, head_dim, table, fp32, atomic)
 
 
 def test_gpu_autotuning_is_keyed_by_a_bucket_of_n():
@@ -467,6 +531,10 @@ def test_gpu_autotuning_is_keyed_by_a_bucket_of_n():
                      ("dq", at._alibi_bwd_dq_kernel)):
         tuner = at._gpu_autotune(kind)(fn)
         assert "N_BUCKET" in tuner.keys and "N" not in tuner.keys
+        # A call on a slice of the problem (the benchmark's correctness check) must not pick the whole one's
+        # tiles, and the bias-free baseline tunes on its own.
+        assert {"WORK_BUCKET", "HAS_BIAS", "TABLE", "COMPUTE_DSLOPE"} <= set(tuner.keys)
+    assert [at.work_bucket(b, h) for b, h in ((1, 2), (48, 12), (3, 12))] == [2, 1024, 64]
     if "cache_results" in inspect.signature(triton.autotune).parameters:
         assert at._CACHE_RESULTS == {"cache_results": True}
 

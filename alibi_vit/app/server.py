@@ -1,31 +1,182 @@
 """The app's HTTP server: the page's static files and the JSON/PNG API of ``API.md``.
 
-Built on FastAPI (Starlette routing and static files, request validation with readable 4xx
-answers) served by uvicorn: both well kept, pure Python wheels, and the stack the Python data
-tools' local servers are usually built on. Handlers are plain functions, which FastAPI runs on a
-thread pool, so a long request never blocks the others; compute goes through the engine's single
-worker thread.
+Built on FastAPI (Starlette routing and static files, request bodies validated by pydantic models
+with readable 4xx answers) served by uvicorn: both well kept, pure Python wheels, and the stack the
+Python data tools' local servers are usually built on. Quick handlers are plain functions, which
+FastAPI runs on a thread pool; handlers that wait for compute (Train, predictions) are coroutines
+awaiting the engine's worker, so any number of waiting requests holds no thread, and a request
+whose client has gone away stops waiting (its work is dropped if nobody else waits for it).
+
+Every answer is JSON or PNG; every error is JSON ``{"detail": ...}`` (a 500 too). Which requests
+are refused, and how, is in docs/app.md "Security" and API.md "Who may ask".
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import secrets
+import traceback
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlsplit
 
 from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import MutableHeaders
 
 from .engine import Engine
-from .session import Session, SessionError
+from .session import MAX_POINTS, Session, SessionError, not_saved
 
-__all__ = ["STATIC", "TOKEN_COOKIE", "create_app"]
+__all__ = ["MAX_JSON_BYTES", "STATIC", "TOKEN_COOKIE", "create_app"]
 
 STATIC = Path(__file__).parent / "static"
 TOKEN_COOKIE = "alibi_vit_token"
+MAX_JSON_BYTES = 16 << 20  # request bodies other than uploads
+DISCONNECT_POLL_S = 0.5  # how often a waiting request checks that its client is still there
+# Headers on every answer: no other site may frame the page, embed its PNGs, or learn its URL.
+SECURITY_HEADERS = {
+    "X-Content-Type-Options": "nosniff",
+    "Cross-Origin-Resource-Policy": "same-origin",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; frame-ancestors 'none'; "
+                               "base-uri 'none'; form-action 'self'",
+}
+
+
+# ---- request bodies ---------------------------------------------------------------------------
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StrokeBody(_Body):
+    cls: StrictInt | None = Field(None, alias="class")
+    radius: StrictInt | StrictFloat
+    points: list[tuple[StrictInt | StrictFloat, StrictInt | StrictFloat]] = Field(max_length=MAX_POINTS)
+    erase: StrictBool = False
+
+
+class UndoBody(_Body):
+    version: StrictInt | None = None  # the label version the page shows (409 when it changed since)
+
+
+class ClassBody(_Body):
+    name: str | None = None
+    color: str | None = None
+
+
+class SettingsBody(_Body):
+    backbone: str | None = None
+    crf: StrictBool | None = None
+    live: StrictBool | None = None
+
+
+class ImageBody(_Body):
+    image: str | None = Field(None, max_length=512)
+
+
+class PredictBody(ImageBody):
+    scope: Literal["image", "all"] = "image"
+
+
+class SaveBody(ImageBody):
+    what: list[str]
+    scope: str = "image"
+
+
+class PathBody(_Body):
+    path: str = Field(max_length=4096)
+
+
+# ---- waiting for the worker -----------------------------------------------------------------------
+async def outcome(request: Request, engine: Engine, task):
+    """The result of an engine task, awaited without holding a thread; when the client goes away
+    first, the request stops waiting (and the task is dropped if nobody else waits for it)."""
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    task.future.add_done_callback(lambda _: loop.call_soon_threadsafe(done.set))
+    try:
+        while not done.is_set():
+            try:
+                await asyncio.wait_for(done.wait(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise SessionError("the client went away", status=499) from None
+        return task.future.result()
+    finally:
+        engine.scheduler.release(task)
+
+
+def _same_site(request: Request) -> bool:
+    """Whether a request comes from the app's own page (or none): browsers say where a request comes
+    from in Sec-Fetch-Site, also for the GETs an <img> or <script> tag makes, which carry no Origin.
+    The one exception is opening the page itself from a link elsewhere (a top-level navigation)."""
+    site = request.headers.get("sec-fetch-site")
+    if site in (None, "same-origin", "none"):
+        return True
+    return (request.method == "GET" and request.url.path == "/"
+            and request.headers.get("sec-fetch-mode") == "navigate"
+            and request.headers.get("sec-fetch-dest") == "document")
+
+
+class Guard:
+    """ASGI middleware: refuses what docs/app.md "Security" lists (403, or 413 for an oversized body)
+    before any handler runs, and adds SECURITY_HEADERS (and, when ``/`` is opened with the token,
+    the token cookie) to every answer. A plain ASGI middleware, not Starlette's BaseHTTPMiddleware,
+    which hides a client's disconnection from the handlers."""
+
+    def __init__(self, app, token: str | None = None, hosts=None):
+        self.app, self.token, self.hosts = app, token, hosts
+
+    def problem(self, request: Request) -> tuple[str, int] | None:
+        host = request.headers.get("host")
+        if self.hosts is not None and host not in self.hosts:
+            return f"host {host!r} refused: open the URL printed by alibi-vit app", 403
+        origin = request.headers.get("origin")
+        if origin and urlsplit(origin).netloc != host:
+            # Another site's page in the same browser (cross-site request forgery): the page itself is same-origin.
+            return f"cross-origin request from {origin} refused", 403
+        if not _same_site(request):
+            return (f"request from another site's page refused (Sec-Fetch-Site: "
+                    f"{request.headers.get('sec-fetch-site')}): open the app's own page"), 403
+        if self.token is not None:
+            given = (request.query_params.get("token") or request.headers.get("x-token")
+                     or request.cookies.get(TOKEN_COOKIE) or "")
+            if not secrets.compare_digest(given.encode(), self.token.encode()):
+                return "missing or wrong token: open the URL printed by alibi-vit app", 403
+        declared = request.headers.get("content-length", "")
+        if request.url.path != "/api/images" and declared.isdigit() and int(declared) > MAX_JSON_BYTES:
+            return f"request body of {int(declared) >> 20} MB refused: at most {MAX_JSON_BYTES >> 20} MB", 413
+        return None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request = Request(scope)
+        problem = self.problem(request)
+        if problem is not None:
+            response = JSONResponse({"detail": problem[0]}, status_code=problem[1], headers=SECURITY_HEADERS)
+            return await response(scope, receive, send)
+        cookie = None
+        if self.token is not None and request.url.path == "/" and request.query_params.get("token"):
+            carrier = Response()
+            carrier.set_cookie(TOKEN_COOKIE, self.token, httponly=True, samesite="strict")
+            cookie = carrier.headers["set-cookie"]
+
+        async def send_with_headers(message):
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                headers.update(SECURITY_HEADERS)
+                if cookie:
+                    headers.append("set-cookie", cookie)
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
 
 
 def create_app(session: Session, engine: Engine, token: str | None = None, max_upload_mb: float = 1024,
@@ -37,25 +188,7 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
     app = FastAPI(title="alibi-vit app", docs_url=None, redoc_url=None, openapi_url=None)
     max_upload = int(max_upload_mb * (1 << 20))
 
-    @app.middleware("http")
-    async def check_token(request: Request, call_next):
-        if hosts is not None and request.headers.get("host") not in hosts:
-            return JSONResponse({"detail": f"host {request.headers.get('host')!r} refused: open the URL printed by "
-                                           "alibi-vit app"}, status_code=403)
-        origin = request.headers.get("origin")
-        if origin and urlsplit(origin).netloc != request.headers.get("host"):
-            # Another site's page in the same browser (cross-site request forgery): the page itself is same-origin.
-            return JSONResponse({"detail": f"cross-origin request from {origin} refused"}, status_code=403)
-        if token is not None:
-            given = (request.query_params.get("token") or request.headers.get("x-token")
-                     or request.cookies.get(TOKEN_COOKIE) or "")
-            if not secrets.compare_digest(given.encode(), token.encode()):
-                return JSONResponse({"detail": "missing or wrong token: open the URL printed by alibi-vit app"},
-                                    status_code=403)
-        response = await call_next(request)
-        if token is not None and request.url.path == "/" and request.query_params.get("token"):
-            response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict")
-        return response
+    app.add_middleware(Guard, token=token, hosts=hosts)
 
     @app.exception_handler(SessionError)
     async def session_error(request: Request, err: SessionError):
@@ -63,15 +196,32 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, err: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in err.errors())
-        return JSONResponse({"detail": f"malformed request ({problems})"}, status_code=422)
+        def where(e):
+            return ".".join(str(p) for p in e.get("loc", ()) if p != "body") or "body"
+
+        problems = "; ".join(f"{where(e)}: {e.get('msg')}" for e in err.errors()[:5])
+        return JSONResponse({"detail": f"malformed request ({problems})"[:1000]}, status_code=422)
 
     @app.exception_handler(ValueError)
     async def value_error(request: Request, err: ValueError):  # the engine's checks of images and labels
         return JSONResponse({"detail": str(err)}, status_code=400)
 
-    def png(data: bytes) -> Response:
-        return Response(data, media_type="image/png", headers={"Cache-Control": "no-store"})
+    @app.exception_handler(OSError)
+    async def os_error(request: Request, err: OSError):
+        if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+            problem = not_saved("the result", Path(err.filename or session.folder), err)
+            return JSONResponse({"detail": str(problem)}, status_code=problem.status)
+        traceback.print_exception(err)
+        return JSONResponse({"detail": f"the server could not read or write a file: {err}"}, status_code=500)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception):
+        traceback.print_exception(err)
+        return JSONResponse({"detail": f"internal error ({type(err).__name__}: {err}); the server's log has the "
+                                       "details"[:1000]}, status_code=500)
+
+    def png(data: bytes, headers: dict | None = None) -> Response:
+        return Response(data, media_type="image/png", headers={"Cache-Control": "no-store", **(headers or {})})
 
     @app.get("/")
     def index():
@@ -83,19 +233,24 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
     def image_record(image_id: str) -> dict:
         entry = session.entry(image_id)
         features = engine.feature_state(image_id)
-        prediction = engine.predictions.get(image_id)
+        predicted = engine.predicted.get(image_id)
         height, width = (entry.shape[:2] or (None, None))
-        return {"id": image_id, "name": entry.name, "width": width, "height": height,
+        return {"id": image_id, "name": entry.name, "file": entry.source.name, "page": entry.page,
+                "width": width, "height": height, "kind": entry.kind,
                 "features": features["state"], "progress": features["progress"], "error": features["error"],
-                "labelled": session.counts(image_id), "version": entry.version,
-                "prediction": None if prediction is None else {"model": prediction["model"]}}
+                "note": features.get("note"), "labelled": session.counts(image_id), "version": entry.version,
+                "prediction": None if predicted is None else {
+                    "model": predicted["model"], "crf": predicted["crf"],
+                    "fractions": {str(f["value"]): f["fraction"] for f in predicted["fractions"]}}}
 
     @app.get("/api/state")
     def state():
         return {"session": str(session.folder), "classes": session.classes,
                 "images": [image_record(i) for i in list(session.images)],
-                "settings": {**session.settings, "backbones": engine.backbones()},
-                "model": engine.model, "limits": {"max_upload_mb": max_upload_mb}}
+                "settings": {**session.settings, "backbones": engine.backbones(),
+                             "backbone_weights": engine.backbone_weights()},
+                "model": engine.model_state(), "notes": session.skipped + engine.notes,
+                "limits": {"max_upload_mb": max_upload_mb, "max_megapixels": session.max_pixels / 1e6}}
 
     # ---- images -----------------------------------------------------------------------------
     @app.get("/api/images/{image_id}/display.png")
@@ -109,9 +264,10 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
 
     @app.post("/api/images")
     async def upload(request: Request, name: str = ""):
+        shown = Path(name).name[:80] or "the upload"
         declared = request.headers.get("content-length")
-        too_big = SessionError(f"{Path(name).name or 'the upload'} is larger than the upload limit of "
-                               f"{max_upload_mb:g} MB (start the app with --max-upload-mb to raise it)", status=413)
+        too_big = SessionError(f"{shown} is larger than the upload limit of {max_upload_mb:g} MB (start the app "
+                               "with --max-upload-mb to raise it)", status=413)
         if declared and declared.isdigit() and int(declared) > max_upload:
             raise too_big
         data = bytearray()
@@ -120,95 +276,101 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
             if len(data) > max_upload:
                 raise too_big
         if not data:
-            raise SessionError(f"{Path(name).name or 'the upload'} is empty")
+            raise SessionError(f"{shown} is empty")
         return {"ids": await run_in_threadpool(session.add_upload, name, bytes(data))}
 
     @app.post("/api/images/add")
-    def add_path(body: dict = Body(...)):
+    def add_path(body: PathBody):
         """Add an image file or folder from disk: only inside the folders the app was started with."""
-        if not isinstance(body.get("path"), str):
-            raise SessionError('give {"path": "FILE_OR_FOLDER"}')
-        return {"ids": session.add_path(body["path"])}
+        ids, skipped = session.add_path(body.path)
+        return {"ids": ids, "skipped": skipped}
 
     # ---- labels -----------------------------------------------------------------------------
     @app.get("/api/images/{image_id}/labels.png")
     def labels(image_id: str):
-        from .session import png_bytes
-
-        return png(png_bytes(session.label_image(image_id)))
+        data, version = session.label_png(image_id)
+        return png(data, {"X-Labels-Version": str(version)})
 
     def label_answer(image_id: str, version: int) -> dict:
         return {"version": version, "labelled": session.counts(image_id)}
 
     @app.post("/api/images/{image_id}/strokes")
-    def stroke(image_id: str, body: dict = Body(...)):
-        version = session.add_stroke(image_id, body.get("class"), body.get("radius"), body.get("points"),
-                                     bool(body.get("erase", False)))
+    def stroke(image_id: str, body: StrokeBody):
+        version = session.add_stroke(image_id, body.cls, body.radius, [list(p) for p in body.points], body.erase)
         return label_answer(image_id, version)
 
     @app.post("/api/images/{image_id}/undo")
-    def undo(image_id: str):
-        return label_answer(image_id, session.undo(image_id))
+    def undo(image_id: str, body: UndoBody | None = Body(None)):
+        return label_answer(image_id, session.undo(image_id, expected_version=body and body.version))
 
     @app.post("/api/images/{image_id}/redo")
-    def redo(image_id: str):
-        return label_answer(image_id, session.undo(image_id, redo=True))
+    def redo(image_id: str, body: UndoBody | None = Body(None)):
+        return label_answer(image_id, session.undo(image_id, redo=True, expected_version=body and body.version))
 
     # ---- classes and settings -------------------------------------------------------------------
     @app.post("/api/classes")
-    def add_class(body: dict = Body(...)):
-        return session.add_class(body.get("name"), body.get("color"))
+    def add_class(body: ClassBody):
+        return session.add_class(body.name, body.color)
 
     @app.patch("/api/classes/{value}")
-    def update_class(value: int, body: dict = Body(...)):
-        return session.update_class(value, body.get("name"), body.get("color"))
+    def update_class(value: int, body: ClassBody):
+        return session.update_class(value, body.name, body.color)
 
     @app.put("/api/settings")
-    def settings(body: dict = Body(...)):
-        changes = {}
-        if "backbone" in body:
-            if body["backbone"] not in engine.backbones():
-                raise SessionError(f"backbone must be one of {engine.backbones()}, got {body['backbone']!r} (a ViT "
-                                   "is offered when the app is started with --backbone)")
-            changes["backbone"] = body["backbone"]
+    def settings(body: SettingsBody):
+        changes = body.model_dump(include=body.model_fields_set)
+        if "backbone" in changes and changes["backbone"] not in engine.backbones():
+            raise SessionError(f"backbone must be one of {engine.backbones()}, got {changes['backbone']!r} (a ViT "
+                               "is offered when the app is started with --backbone)")
         for flag in ("crf", "live"):
-            if flag in body:
-                if not isinstance(body[flag], bool):
-                    raise SessionError(f"{flag} must be true or false")
-                changes[flag] = body[flag]
-        unknown = set(body) - {"backbone", "crf", "live"}
-        if unknown:
-            raise SessionError(f"unknown settings {sorted(unknown)}")
+            if flag in changes and changes[flag] is None:
+                raise SessionError(f"{flag} must be true or false")
+        backbone_changed = "backbone" in changes and changes["backbone"] != session.settings.get("backbone")
         result = session.update_settings(**changes)
-        if "backbone" in changes or "crf" in changes:
-            engine.settings_changed()
-        return {**result, "backbones": engine.backbones()}
+        if backbone_changed:
+            engine.backbone_changed()
+        return {**result, "backbones": engine.backbones(), "backbone_weights": engine.backbone_weights()}
 
     # ---- train and predict -------------------------------------------------------------------
     @app.post("/api/train")
-    def train(body: dict = Body(default={})):
-        return engine.train(body.get("image"))
+    async def train(request: Request, body: ImageBody = Body(ImageBody())):
+        return await outcome(request, engine, engine.submit_train(body.image))
+
+    @app.post("/api/predict")
+    async def predict(request: Request, body: PredictBody):
+        if body.scope == "all":
+            return engine.predict_all().record()
+        if body.image is None:
+            raise SessionError('give {"image": ID} (or {"scope": "all"})')
+        result = await outcome(request, engine, engine.submit_prediction(body.image))
+        return {"model": engine.model_state(), "fractions": engine.fractions_of(result["mask"])}
+
+    async def rendered(request: Request, image_id: str, render):
+        prediction = await outcome(request, engine, engine.submit_prediction(image_id))
+        return png(await run_in_threadpool(render, prediction),
+                   {"X-Model": str(prediction["model"]), "X-CRF": "true" if prediction["crf"] else "false"})
 
     @app.get("/api/images/{image_id}/prediction.png")
-    def prediction(image_id: str):
-        return png(engine.prediction_png(image_id))
+    async def prediction(request: Request, image_id: str):
+        return await rendered(request, image_id, engine.prediction_png)
 
     @app.get("/api/images/{image_id}/mask.png")
-    def mask(image_id: str):
-        return png(engine.mask_png(image_id))
+    async def mask(request: Request, image_id: str):
+        return await rendered(request, image_id, engine.mask_png)
 
     @app.get("/api/images/{image_id}/uncertainty.png")
-    def uncertainty(image_id: str):
-        return png(engine.uncertainty_png(image_id))
+    async def uncertainty(request: Request, image_id: str):
+        return await rendered(request, image_id, engine.uncertainty_png)
 
     @app.get("/api/images/{image_id}/fractions")
-    def fractions(image_id: str):
-        return {"classes": engine.fractions(image_id)}
+    async def fractions(request: Request, image_id: str):
+        result = await outcome(request, engine, engine.submit_prediction(image_id))
+        return {"classes": engine.fractions_of(result["mask"])}
 
     # ---- save -------------------------------------------------------------------------------
     @app.post("/api/save")
-    def save(body: dict = Body(...)):
-        return engine.save(body.get("what"), body.get("scope", "image"), body.get("image")).record()
+    def save(body: SaveBody):
+        return engine.save(body.what, body.scope, body.image).record()
 
     @app.get("/api/jobs/{job_id}")
     def job(job_id: str):
@@ -221,3 +383,4 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
         return job.record()
 
     return app
+

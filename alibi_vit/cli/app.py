@@ -1,11 +1,12 @@
 """``alibi-vit app``: interactive trainable segmentation in the browser.
 
     alibi-vit app [DIR_OR_FILES ...] [--session DIR] [--host 127.0.0.1] [--port 8765]
-        [--backbone NAME (--checkpoint PATH | --pretrained | --allow-random-init)]
+        [--backbone NAME (--checkpoint PATH | --pretrained | --allow-random-init)] [--max-megapixels N]
 
 Starts a local web server (see :mod:`alibi_vit.app`) and prints the URL to open. On 127.0.0.1 (the
-default) only this machine can connect; any other host needs the token printed in the URL. Stop it
-with Ctrl-C: everything is already in the session folder.
+default) only this machine can connect; any other host needs the token printed in the URL. Files
+given that cannot be added (unreadable, too large, of another pixel kind, a link out of the folders
+given) are skipped with a warning. Stop it with Ctrl-C: everything is already in the session folder.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import socket
 import sys
 import threading
 from pathlib import Path
+
+from ..app.imagefiles import DEFAULT_MAX_PIXELS
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -39,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "other host)")
     parser.add_argument("--max-upload-mb", type=float, default=1024, metavar="MB",
                         help="largest image upload accepted (default %(default)g MB)")
+    parser.add_argument("--max-megapixels", type=float, default=DEFAULT_MAX_PIXELS / 1e6, metavar="MPX",
+                        help="largest image (or stack page) read, checked from the file's header before decoding "
+                             "(default %(default).1f Mpx = 8192²; a file may hold 16 such images); also Pillow's "
+                             "decompression-bomb limit in this process")
     parser.add_argument("--cache-gb", type=float, default=4, metavar="GB",
                         help="memory for cached features (default %(default)g GB; a 1024² grey image takes ~0.26 GB "
                              "of classical features)")
@@ -59,16 +66,13 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 
 
 def run(args) -> int:
-    import uvicorn
+    from PIL import Image
 
-    from ..app.engine import Engine
-    from ..app.server import create_app
-    from ..app.session import Session
     from .options import parse_model_args
     from .segment import _check_backbone_weights
 
-    if args.max_upload_mb <= 0 or args.cache_gb < 0:
-        raise ValueError("--max-upload-mb must be positive and --cache-gb at least 0")
+    if args.max_upload_mb <= 0 or args.cache_gb < 0 or args.max_megapixels <= 0:
+        raise ValueError("--max-upload-mb and --max-megapixels must be positive and --cache-gb at least 0")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
     backbone_kwargs = {}
@@ -78,10 +82,27 @@ def run(args) -> int:
         checkpoints = _check_backbone_weights(args, [args.backbone])
         backbone_kwargs = dict(checkpoint=checkpoints.get(args.backbone), model_kwargs=parse_model_args(args.model_arg),
                                pretrained=args.pretrained and args.backbone not in checkpoints, seed=args.seed)
-    roots = [Path(s) if Path(s).is_dir() else Path(s).parent for s in args.sources]
-    if args.out is not None:
-        roots.append(args.out)
-    session = Session(args.session, args.sources, allowed_roots=roots)
+    max_pixels = int(args.max_megapixels * 1e6)
+    # Pillow refuses to decode past twice its limit (DecompressionBombError): tie it to the app's cap,
+    # which the app checks itself from each file's header before decoding.
+    previous, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, max_pixels
+    try:
+        return _serve(args, backbone_kwargs, max_pixels)
+    finally:
+        Image.MAX_IMAGE_PIXELS = previous
+
+
+def _serve(args, backbone_kwargs: dict, max_pixels: int) -> int:
+    import uvicorn
+
+    from ..app.engine import Engine
+    from ..app.server import create_app
+    from ..app.session import Session
+
+    session = Session(args.session, args.sources, allowed_roots=[args.out] if args.out is not None else [],
+                      max_pixels=max_pixels)
+    for reason in session.skipped:
+        print(f"alibi-vit app: warning: {reason}", file=sys.stderr, flush=True)
     token = args.token or (None if args.host in LOCAL_HOSTS else secrets.token_urlsafe(24))
     engine = Engine(session, args.backbone, backbone_kwargs, cache_bytes=int(args.cache_gb * (1 << 30)),
                     out=args.out, device=args.device)

@@ -273,14 +273,16 @@ def area_fractions(mask: np.ndarray, classes) -> tuple[np.ndarray, np.ndarray]:
     return counts, counts / mask.size
 
 
-def write_fractions_csv(path, names, masks_counts, classes) -> Path:
+def write_fractions_csv(path, names, masks_counts, classes, class_names=None) -> Path:
     """The area-fraction CSV: one row per image (``image``, then per class ``fraction_<c>`` and
     ``pixels_<c>``), then a ``mean`` and a ``std`` row over the images (sample standard deviation,
-    ddof=1; empty with a single image). ``masks_counts``: per image its class pixel counts and size."""
+    ddof=1; empty with a single image). ``masks_counts``: per image its class pixel counts and size.
+    ``class_names``: {class value: name}; the columns then read ``fraction_<name>``, ``pixels_<name>``."""
     import csv
 
     classes = [int(c) for c in classes]
-    header = ["image"] + [f"fraction_{c}" for c in classes] + [f"pixels_{c}" for c in classes]
+    label = {c: (class_names or {}).get(c, c) for c in classes}
+    header = ["image"] + [f"fraction_{label[c]}" for c in classes] + [f"pixels_{label[c]}" for c in classes]
     rows = []
     for name, (counts, size) in zip(names, masks_counts):
         counts = np.asarray(counts, np.int64)

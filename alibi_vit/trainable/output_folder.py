@@ -107,7 +107,8 @@ def output_names(files: list[Path], sources: list[Path], relative: list[Path]) -
 
 
 def image_stem(path: Path) -> str:
-    """The name outputs are named after: the file name without its image suffixes (``a.ome.zarr`` → ``a``)."""
+    """The name outputs are named after: the file name without its image suffixes (``a.ome.zarr`` and
+    ``a.ome.tif`` → ``a``)."""
     path = Path(path)
     name = path.name[:-len(".zarr")] if path.name.lower().endswith(".zarr") else path.stem
     return name[:-len(".ome")] if name.lower().endswith(".ome") and len(name) > 4 else name

@@ -652,25 +652,28 @@ class TrainableSegmenter:
             for tile in self.tile_grid(src).ordered(first):
                 yield tile.core, self.tile_proba(src, tile)
 
-    def _proba_one(self, src) -> np.ndarray:
+    def _proba_one(self, src, on_progress=None) -> np.ndarray:
         out = np.empty(tuple(src.shape) + (len(self.classes_),), np.float32)
-        for tile in self.tile_grid(src):
+        tiles = list(self.tile_grid(src))
+        for i, tile in enumerate(tiles):
             out[tile.core] = self.tile_proba(src, tile)
+            if on_progress:
+                on_progress(i + 1, len(tiles))
         if self.crf:
             x = src.pixels if isinstance(src, ArraySource) else src.read(slice(None), slice(None))
             out = dense_crf_tiled(out, x, self.tile, CRF_OVERLAP, self.crf, **self.crf_params)
         return out
 
-    def predict_proba(self, images, scaled: bool = False) -> list[np.ndarray]:
+    def predict_proba(self, images, scaled: bool = False, on_progress=None) -> list[np.ndarray]:
         """Per image an (H, W, K) float32 array of class probabilities, classes ordered as ``classes_``
         (held whole: for images larger than memory use :mod:`~alibi_vit.trainable.stream`).
 
         scaled: the images are already the output of :meth:`scale` (so a caller that needs the scaled
-        image too scales once)."""
+        image too scales once). on_progress(done, total): called after each tile of each image."""
         self._check_fitted()
         with self._call():
             srcs = [ArraySource(x) for x in _as_list(images, "images")] if scaled else self._prepare(images)
-            return [self._proba_one(s) for s in tqdm(srcs, desc="segment", disable=not self.progress)]
+            return [self._proba_one(s, on_progress) for s in tqdm(srcs, desc="segment", disable=not self.progress)]
 
     def predict(self, images, scaled: bool = False) -> list[np.ndarray]:
         """Per image an (H, W) int64 mask of class values (those in the training labels); ``scaled`` as

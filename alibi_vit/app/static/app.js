@@ -8,6 +8,7 @@
   const TOKEN = new URLSearchParams(location.search).get("token");
   const POLL_MS = 500;          // /api/state while features are computed somewhere
   const POLL_SHOWN_MS = 250;    // ... while the shown image's features are computed
+  const POLL_IDLE_MS = 3000;    // ... otherwise: another tab's strokes show up without a click
   const MAX_SCALE = 64;
 
   // Timings read by the tests and benchmarks/bench_app.py: {event, ms, ...} measured with performance.now().
@@ -33,8 +34,10 @@
     return `${res.status} ${res.statusText || "error"}`;
   }
 
-  // Every request carries the token (X-Token); JSON in, JSON out; a 4xx/5xx throws ApiError(detail).
-  async function request(method, path, { json, raw } = {}) {
+  // Every request carries the token (X-Token); JSON in, JSON out; a 4xx/5xx throws ApiError(detail),
+  // an aborted one (``signal``: the user moved on) ApiError with status ABORTED.
+  const ABORTED = -1;
+  async function request(method, path, { json, raw, signal } = {}) {
     const headers = {};
     if (TOKEN) headers["X-Token"] = TOKEN;
     let body;
@@ -47,25 +50,29 @@
     }
     let res;
     try {
-      res = await fetch(path, { method, headers, body, cache: "no-store" });
-    } catch (_) {
+      res = await fetch(path, { method, headers, body, cache: "no-store", signal });
+    } catch (err) {
+      if (err && err.name === "AbortError") throw new ApiError(ABORTED, "aborted");
       throw new ApiError(0, "the server does not answer: is alibi-vit app still running?");
     }
     if (!res.ok) throw new ApiError(res.status, await errorDetail(res));
     return res;
   }
 
-  async function api(method, path, json) {
-    const res = await request(method, path, { json });
+  async function api(method, path, json, signal) {
+    const res = await request(method, path, { json, signal });
     const text = await res.text();
     return text ? JSON.parse(text) : null;
   }
 
-  // PNGs come as blobs (so the token header goes with them) and are decoded off the main thread.
-  async function fetchBitmap(path, data = false) {
-    const blob = await (await request("GET", path)).blob();
+  // PNGs come as blobs (so the token header goes with them) and are decoded off the main thread;
+  // returns [bitmap, response headers] (the server says there which label version or model it shows).
+  async function fetchBitmap(path, data = false, signal = undefined) {
+    const res = await request("GET", path, { signal });
+    const blob = await res.blob();
     // Label values are data: no colour management may touch them.
-    return createImageBitmap(blob, data ? { colorSpaceConversion: "none", premultiplyAlpha: "none" } : {});
+    const options = data ? { colorSpaceConversion: "none", premultiplyAlpha: "none" } : {};
+    return [await createImageBitmap(blob, options), res.headers];
   }
 
   const nextFrame = () => new Promise((resolve) => requestAnimationFrame(() => resolve()));
@@ -103,7 +110,11 @@
     labels: null,             // Uint8Array: label values of the shown image, as the server has them
     labelsVersion: null,
     overlayShown: false,      // a prediction/uncertainty of the shown image is on the overlay layer
+    overlayModel: null,       // ... of this model id
+    overlayCrf: null,         // ... with or without the CRF
+    predictJob: null,         // the Predict-all job being followed
     loadSeq: 0,               // bumps on every image switch: stale loads do not draw
+    leave: new AbortController(),  // aborts the shown image's prediction requests when another is shown
     drawing: null,            // the stroke under the pointer
     pendingStrokes: 0,        // strokes sent and not answered
     strokeQueue: Promise.resolve(),
@@ -132,6 +143,8 @@
     get labels() { return S.labels; },
     get pendingStrokes() { return S.pendingStrokes + (S.drawing ? 1 : 0); },
     get overlayShown() { return S.overlayShown; },
+    get labelsVersion() { return S.labelsVersion; },
+    get overlayStale() { return !$("overlay-stale").hidden; },
   };
 
   const imageById = (id) => (S.state ? S.state.images.find((im) => im.id === id) : undefined);
@@ -148,6 +161,7 @@
     if (kind === "ok") statusTimer = setTimeout(() => { if (el.textContent === text) { el.textContent = ""; el.className = ""; } }, 6000);
   }
   function showError(err, prefix = "") {
+    if (err instanceof ApiError && err.status === ABORTED) return;   // the user moved on: not an error
     const msg = err instanceof Error ? err.message : String(err);
     status(prefix + msg, "error");
     console.warn(prefix + msg);
@@ -215,10 +229,46 @@
   function render() {
     renderHeader();
     renderImages();
+    renderNotes();
     renderClasses();
     renderSettings();
     renderModel();
     renderFeaturesInfo();
+    updateStale();
+  }
+
+  // What the server could not do with files given (skipped at start) or at start-up: shown until it restarts.
+  function renderNotes() {
+    const notes = S.state.notes || [];
+    const box = $("notes"), list = box.querySelector("ul");
+    box.hidden = !notes.length;
+    box.querySelector("summary").textContent = `⚠ ${notes.length} note${notes.length === 1 ? "" : "s"} from the server (files not added…)`;
+    if (list.children.length === notes.length) return;
+    list.innerHTML = "";
+    for (const n of notes) {
+      const li = document.createElement("li");
+      li.textContent = n;
+      list.appendChild(li);
+    }
+  }
+
+  // The overlay says when it no longer matches the model, the CRF switch or the labels.
+  function updateStale() {
+    const el = $("overlay-stale");
+    const m = S.state && S.state.model;
+    const crf = !!(S.state && S.state.settings && S.state.settings.crf);
+    let why = null;
+    if (S.overlayShown && S.showOverlay) {
+      if (!m) why = "its model belongs to other settings";
+      else if (S.overlayModel !== m.id) why = `model #${m.id} is newer than this overlay (#${S.overlayModel}): press P to predict`;
+      else if (S.overlayCrf !== crf) why = `CRF switched ${crf ? "on" : "off"} since it was computed: press P to predict`;
+      else if (m.labels_changed) why = `labels changed since model #${m.id} was trained: press T to train`;
+    }
+    if (why && S.training) why += " (training…)";
+    el.hidden = !why;
+    el.textContent = why ? `Stale overlay: ${why}` : "";
+    overlayLayer.dataset.stale = why ? "true" : "false";
+    $("uncertainty-legend").hidden = !(S.overlayShown && S.showOverlay && overlayLayer.dataset.kind === "uncertainty");
   }
 
   function renderHeader() {
@@ -229,6 +279,7 @@
   function featureText(im) {
     switch (im.features) {
       case "ready": return "features ready";
+      case "on demand": return "features on demand";
       case "running": return `features ${Math.round((im.progress || 0) * 100)} %`;
       case "error": return "features failed";
       default: return S.openedAt.has(im.id) ? "features queued" : "not opened";
@@ -247,7 +298,7 @@
         li.className = "image-row";
         li.dataset.id = im.id;
         li.dataset.testid = `image-${im.id}`;
-        li.innerHTML = '<span class="name"></span><span class="meta"><span class="size"></span><span class="features"></span></span><span class="bar"><span></span></span>';
+        li.innerHTML = '<span class="name"><span class="file"></span><span class="page"></span></span><span class="meta"><span class="size"></span><span class="features"></span></span><span class="bar"><span></span></span><span class="fractions"></span>';
         li.addEventListener("click", () => selectImage(im.id));
       }
       rows.delete(im.id);
@@ -256,8 +307,10 @@
       li.setAttribute("aria-selected", im.id === S.current ? "true" : "false");
       li.dataset.features = im.features;
       const labelled = Object.values(im.labelled || {}).reduce((a, b) => a + b, 0);
-      li.querySelector(".name").textContent = im.name;
-      li.title = `${im.name} (${im.id})${im.error ? `: ${im.error}` : ""}`;
+      li.querySelector(".file").textContent = im.file || im.name;
+      li.querySelector(".page").textContent = im.page === null || im.page === undefined ? "" : `[page ${im.page}]`;
+      li.title = `${im.name} (${im.id}, ${im.kind || "?"})${im.error ? `: ${im.error}` : ""}${im.note ? `: ${im.note}` : ""}`;
+      renderImageFractions(li.querySelector(".fractions"), im);
       const size = `${im.width}×${im.height}` + (labelled ? ` · ${formatCount(labelled)} px` : "");
       li.querySelector(".size").textContent = size;
       li.querySelector(".features").textContent = featureText(im);
@@ -265,6 +318,30 @@
       li.querySelector(".bar > span").style.width = `${Math.round(p * 100)}%`;
     });
     rows.forEach((li) => li.remove());
+  }
+
+  // A thin bar of the image's predicted area fractions (after Predict all, or once shown), dimmed when stale.
+  function renderImageFractions(bar, im) {
+    const p = im.prediction;
+    const m = S.state.model;
+    if (!p || !p.fractions) { bar.hidden = true; return; }
+    bar.hidden = false;
+    const stale = !m || p.model !== m.id || p.crf !== !!(S.state.settings || {}).crf;
+    bar.classList.toggle("stale", stale);
+    const key = JSON.stringify([p.model, p.fractions, S.state.classes]);
+    if (bar.dataset.key === key) return;
+    bar.dataset.key = key;
+    bar.innerHTML = "";
+    const parts = [];
+    for (const [v, f] of Object.entries(p.fractions)) {
+      const c = classByValue(Number(v));
+      const seg = document.createElement("span");
+      seg.style.width = `${(100 * f).toFixed(2)}%`;
+      seg.style.background = c ? c.color : "#888888";
+      bar.appendChild(seg);
+      parts.push(`${c ? c.name : `class ${v}`} ${(100 * f).toFixed(1)} %`);
+    }
+    bar.title = `model #${p.model}${stale ? " (stale)" : ""}: ${parts.join(", ")}`;
   }
 
   function renderClasses() {
@@ -322,6 +399,13 @@
         select.appendChild(o);
       }
     }
+    const note = $("backbone-note");
+    const random = s.backbone_weights && s.backbone_weights.startsWith("random");
+    note.hidden = !random;
+    note.textContent = random ? `⚠ ${options[options.length - 1]} has ${s.backbone_weights}.` : "";
+    for (const o of select.options) {
+      if (o.value) o.textContent = random ? `${o.value} (random weights)` : o.value;
+    }
     if (S.settingsInFlight) return;   // the controls show what the user just chose
     select.value = s.backbone === null || s.backbone === undefined ? "" : s.backbone;
     $("crf").checked = !!s.crf;
@@ -331,6 +415,8 @@
 
   function renderModel() {
     const m = S.state.model;
+    $("predict").disabled = !m;
+    $("predict-all").disabled = !m || !!S.predictJob;
     $("model-info").textContent = m
       ? `model #${m.id}: ${m.classes.length} classes, ${m.images} image(s), ${formatCount(m.pixels)} labelled px, trained in ${Number(m.seconds).toFixed(1)} s`
       : "no model yet: label two classes or more, then train";
@@ -360,6 +446,8 @@
     const im = imageById(id);
     if (!im) return;
     const seq = ++S.loadSeq;
+    S.leave.abort();   // the server drops work for the image left
+    S.leave = new AbortController();
     S.current = id;
     S.labels = null;
     S.labelsVersion = null;
@@ -388,8 +476,8 @@
         .catch((err) => showError(err, `${im.name}: `));
     };
     loadLabels(id);
-    if (im.prediction && S.state.model) {
-      showPrediction(id).catch((err) => showError(err));
+    if (S.state.model) {   // the current model's prediction (computed now if need be)
+      showPrediction(id).catch((err) => { if (err.status !== 409) showError(err); });
     }
 
     let bitmap, tFetched;
@@ -419,11 +507,9 @@
   // The label layer is redrawn from the server's labels.png (the server is the truth).
   async function loadLabels(id) {
     const seq = S.loadSeq;
-    const im = imageById(id);
-    const version = im ? im.version : null;
-    let bitmap;
+    let bitmap, headers;
     try {
-      bitmap = await fetchBitmap(`/api/images/${enc(id)}/labels.png`, true);
+      [bitmap, headers] = await fetchBitmap(`/api/images/${enc(id)}/labels.png`, true);
     } catch (err) {
       if (seq === S.loadSeq) showError(err, "labels: ");
       return;
@@ -438,6 +524,8 @@
     const values = new Uint8Array(w * h);
     for (let i = 0, j = 0; i < values.length; i++, j += 4) values[i] = rgba[j];   // grey PNG: R = G = B = value
     if (S.drawing || S.pendingStrokes) return;   // a newer stroke is on its way: its answer reloads
+    const version = Number(headers.get("X-Labels-Version"));   // the version these labels are
+    if (S.labels && S.labelsVersion !== null && version < S.labelsVersion) return;   // overtaken by a newer load
     S.labels = values;
     S.labelsVersion = version;
     paintLabels();
@@ -484,9 +572,10 @@
   async function showPrediction(id) {
     const seq = S.loadSeq;
     const kind = S.showUncertainty ? "uncertainty" : "prediction";
-    const [bitmap] = await Promise.all([
-      fetchBitmap(`/api/images/${enc(id)}/${kind}.png`, kind === "uncertainty"),
-      loadFractions(id).catch((err) => showError(err, "area fractions: ")),
+    const signal = S.leave.signal;
+    const [[bitmap, headers]] = await Promise.all([
+      fetchBitmap(`/api/images/${enc(id)}/${kind}.png`, kind === "uncertainty", signal),
+      loadFractions(id, signal).catch((err) => showError(err, "area fractions: ")),
     ]);
     if (seq !== S.loadSeq || id !== S.current) { bitmap.close(); return false; }
     overlayCtx.clearRect(0, 0, overlayLayer.width, overlayLayer.height);
@@ -505,8 +594,11 @@
     }
     bitmap.close();
     S.overlayShown = true;
+    S.overlayModel = Number(headers.get("X-Model"));
+    S.overlayCrf = headers.get("X-CRF") === "true";
     overlayLayer.dataset.kind = kind;
     overlayLayer.hidden = !S.showOverlay;
+    updateStale();
     await nextFrame();
     return true;
   }
@@ -516,8 +608,8 @@
     body.innerHTML = '<tr class="empty"><td colspan="3" class="muted">train to see them</td></tr>';
   }
 
-  async function loadFractions(id) {
-    const data = await api("GET", `/api/images/${enc(id)}/fractions`);
+  async function loadFractions(id, signal = undefined) {
+    const data = await api("GET", `/api/images/${enc(id)}/fractions`, undefined, signal);
     if (id !== S.current) return;
     const body = $("fractions").tBodies[0];
     body.innerHTML = "";
@@ -703,6 +795,8 @@
         const r = await api("POST", `/api/images/${enc(id)}/strokes`, body);
         const im = imageById(id);
         if (im) { im.version = r.version; im.labelled = r.labelled; }
+        // Nothing else changed these labels meanwhile: the page shows this version (its own stroke on top).
+        if (id === S.current && S.labelsVersion !== null && r.version === S.labelsVersion + 1) S.labelsVersion = r.version;
         ok = true;
       } catch (err) {
         showError(err, "stroke not saved: ");
@@ -718,6 +812,7 @@
         }
       }
       if (S.pendingStrokes === 0 && !S.drawing && S.current) await loadLabels(S.current);
+      if (ok && S.state && S.state.model && !S.live) refreshState();   // is the overlay stale now?
     });
   }
 
@@ -727,13 +822,17 @@
     if (!id) return;
     try {
       await S.strokeQueue;   // the server must have every stroke first
-      const r = await api("POST", `/api/images/${enc(id)}/${which}`);
+      // The version the page shows: when another tab changed the labels since, nothing is undone.
+      const r = await api("POST", `/api/images/${enc(id)}/${which}`, { version: S.labelsVersion });
       const im = imageById(id);
       if (im) { im.version = r.version; im.labelled = r.labelled; }
+      if (id === S.current) S.labelsVersion = r.version;   // exactly this page's change: its labels load next
       status(which === "undo" ? "undone" : "redone", "ok");
     } catch (err) {
-      if (err.status === 409) status(err.message || `nothing to ${which}`);
-      else showError(err);
+      if (err.status === 409) {
+        status(err.message || `nothing to ${which}`);
+        if (id === S.current) await loadLabels(id);   // show what the server has
+      } else showError(err);
       return;
     }
     if (id !== S.current) return;
@@ -814,6 +913,52 @@
       S.trainAgain = false;
       if (S.live && S.current) liveTrain();
     }
+  }
+
+  // The current model's prediction of the shown image (after a CRF switch, or for a stale overlay).
+  async function predict() {
+    const id = S.current;
+    if (!id) { status("select an image first", "error"); return; }
+    if (!S.state || !S.state.model) { status("no model yet: label two classes or more, then train", "error"); return; }
+    status("predicting…", "busy");
+    try {
+      if (await showPrediction(id)) status(`predicted with model #${S.overlayModel}`, "ok");
+    } catch (err) {
+      showError(err, "predict: ");
+    }
+  }
+
+  // Every image with the current model, as a background job: each row of the image list gets its area fractions.
+  async function predictAll() {
+    let job;
+    try {
+      job = (await api("POST", "/api/predict", { scope: "all" })).job;
+    } catch (err) {
+      showError(err, "predict all: ");
+      return;
+    }
+    S.predictJob = job;
+    const bar = $("predict-progress");
+    bar.hidden = false;
+    bar.value = 0;
+    renderModel();
+    let j;
+    for (;;) {
+      try {
+        j = await api("GET", `/api/jobs/${enc(job)}`);
+      } catch (err) {
+        j = { state: "error", message: err.message };
+      }
+      bar.value = j.progress || 0;
+      if (j.state !== "running") break;
+      await refreshState();
+      await sleep(500);
+    }
+    S.predictJob = null;
+    bar.hidden = true;
+    await refreshState();
+    if (j.state === "done") status(j.message, "ok");
+    else status(`predict all: ${j.message || j.state}`, j.state === "error" ? "error" : "");
   }
 
   // ---------------------------------------------------------------- classes
@@ -913,6 +1058,7 @@
     S.showOverlay = on;
     $("show-overlay").checked = on;
     overlayLayer.hidden = !(on && S.overlayShown);
+    updateStale();
   }
 
   async function setUncertainty(on) {
@@ -1122,6 +1268,7 @@
         case "]": setBrushSize(brushRadius() + Math.max(1, Math.round(brushRadius() * 0.15))); break;
         case "e": case "E": setEraser(!S.erase); break;
         case "t": case "T": train(); break;
+        case "p": case "P": predict(); break;
         case "o": case "O": setOverlayVisible(!S.showOverlay); break;
         case "u": case "U": setUncertainty(!S.showUncertainty); break;
         case "l": case "L": setLabelsVisible(!S.showLabels); break;
@@ -1152,6 +1299,8 @@
     $("zoom-in").addEventListener("click", () => zoomCentre(1.25));
     $("zoom-out").addEventListener("click", () => zoomCentre(0.8));
     $("train").addEventListener("click", () => train());
+    $("predict").addEventListener("click", () => predict());
+    $("predict-all").addEventListener("click", () => predictAll());
     $("live").addEventListener("change", () => {
       S.live = $("live").checked;
       putSettings({ live: S.live });
@@ -1191,6 +1340,8 @@
     overlayLayer.style.opacity = $("overlay-opacity").value / 100;
     labelLayer.style.opacity = $("label-opacity").value / 100;
     const state = await refreshState();
+    // Idle, the page still looks at the state now and then: strokes from another tab show up.
+    setInterval(() => { if (!document.hidden && !S.pollTimer && !S.drawing) refreshState(); }, POLL_IDLE_MS);
     if (!state) return;
     const m = /(?:^#|&)image=([^&]*)/.exec(location.hash);
     const wanted = m ? decodeURIComponent(m[1]) : null;

@@ -1,0 +1,108 @@
+"""Image files as the app reads them: dimensions checked before any pixel is decoded, and the
+pixel kind every image of one session shares.
+
+A decompression bomb is a small file that decodes to a huge image (a 437 KB PNG of 60000² px
+decodes to 3.6 GB). The app reads each file's header first (Pillow's lazy ``Image.open``,
+tifffile's page headers) and refuses an image of more than ``max_pixels`` pixels, or a file
+(a stack) of more than ``STACK_IMAGES`` such images, before decoding anything. ``alibi-vit app``
+also sets Pillow's own decompression-bomb limit (``PIL.Image.MAX_IMAGE_PIXELS``) to the same cap,
+so Pillow itself refuses anything past twice the cap even on a path that skipped the check.
+
+One session segments one kind of image: one bit depth, all grey or all colour. Its black and
+white points are fitted on the pooled pixels of its images, so an 8-bit image among 16-bit ones
+would be shown, and featurised, almost black, and a 16-bit one among 8-bit ones pure white.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .errors import SessionError
+
+__all__ = ["DEFAULT_MAX_PIXELS", "STACK_IMAGES", "check_dimensions", "describe_kind", "pixel_kind", "read_images"]
+
+DEFAULT_MAX_PIXELS = 1 << 26  # 67.1 Mpx (8192²): the classical features of one such image take ~17 GB
+STACK_IMAGES = 16  # a file may hold at most this many images of max_pixels pixels (a stack of pages)
+
+_DEPTHS = {"uint8": "8-bit", "uint16": "16-bit", "uint32": "32-bit", "int8": "8-bit signed", "int16": "16-bit signed",
+           "int32": "32-bit signed", "float16": "16-bit float", "float32": "32-bit float", "float64": "64-bit float",
+           "bool": "1-bit"}
+
+
+def _megapixels(n: int) -> str:
+    return f"{n / 1e6:.1f} Mpx"
+
+
+def _dimensions(path: Path) -> list[tuple[int, int]]:
+    """(height, width) of every image in the file, from its headers alone."""
+    if path.suffix.lower() in (".tif", ".tiff"):
+        import tifffile
+
+        with tifffile.TiffFile(path) as tif:
+            return [(int(p.imagelength), int(p.imagewidth)) for p in tif.pages]
+    from PIL import Image
+
+    with Image.open(path) as img:  # reads the header only; Pillow raises DecompressionBombError past 2x its limit
+        width, height = img.size
+    return [(int(height), int(width))]
+
+
+def check_dimensions(path, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+    """A 413 SessionError when an image of the file has more than ``max_pixels`` pixels, or the file
+    more than ``STACK_IMAGES`` times that; a ValueError when its header cannot be read."""
+    from PIL import Image
+
+    path = Path(path)
+    try:
+        dims = _dimensions(path)
+    except Image.DecompressionBombError as err:  # Pillow's own limit, past twice its MAX_IMAGE_PIXELS
+        raise SessionError(f"{path.name} is refused as a decompression bomb ({err}); the app reads images of at most "
+                           f"{_megapixels(max_pixels)} (--max-megapixels)", status=413) from None
+    except FileNotFoundError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any header the readers cannot parse is an unreadable file
+        raise ValueError(f"cannot read image {path}: {err}") from None
+    for i, (h, w) in enumerate(dims):
+        if h * w > max_pixels:
+            page = f" (page {i})" if len(dims) > 1 else ""
+            raise SessionError(f"{path.name}{page} is {w}×{h} px = {_megapixels(h * w)}, over the app's limit of "
+                               f"{_megapixels(max_pixels)} per image (start it with --max-megapixels to raise it)",
+                               status=413)
+    total = sum(h * w for h, w in dims)
+    if total > STACK_IMAGES * max_pixels:
+        raise SessionError(f"{path.name} holds {len(dims)} images of {_megapixels(total)} in all, over the app's "
+                           f"limit of {_megapixels(STACK_IMAGES * max_pixels)} per file (--max-megapixels × "
+                           f"{STACK_IMAGES})", status=413)
+
+
+def read_images(path, max_pixels: int = DEFAULT_MAX_PIXELS) -> list[np.ndarray]:
+    """The image(s) in a file, after :func:`check_dimensions`: one array, or one per page of a
+    multi-page TIFF; a clear ValueError for anything unreadable."""
+    from PIL import Image
+
+    from ..trainable.io import as_grayscale, read_array, read_slices
+
+    path = Path(path)
+    check_dimensions(path, max_pixels)
+    try:
+        pages = read_slices(path)
+        if pages is None:
+            pages = [read_array(path)]
+    except Image.DecompressionBombError as err:  # the file changed since its header was checked
+        raise SessionError(f"{path.name}: {err}", status=413) from None
+    for i, page in enumerate(pages):
+        as_grayscale(page, f"{path.name}" + (f" page {i}" if len(pages) > 1 else ""))
+    return pages
+
+
+def pixel_kind(image: np.ndarray) -> str:
+    """What one session's images must share: dtype, and grey or colour (e.g. ``"uint16 grey"``)."""
+    return f"{image.dtype.name} {'colour' if image.ndim == 3 else 'grey'}"
+
+
+def describe_kind(kind: str) -> str:
+    """``"uint16 grey"`` → ``"16-bit grey"``, for messages."""
+    dtype, _, tone = kind.partition(" ")
+    return f"{_DEPTHS.get(dtype, dtype)} {tone}"

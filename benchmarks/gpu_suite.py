@@ -1,0 +1,397 @@
+"""The GPU measurements, in phases that fit how a GPU machine is lent: ``bash benchmarks/gpu_suite.sh PHASE``.
+
+The lent machine (one H100 or H200, 16 CPU cores) runs one command at a time for at most 10 minutes,
+may be a fresh machine each time (nothing installed beyond its image, nothing compiled, an empty
+Triton cache), and gives back only what the command wrote under ``$OUT``, at most 8 files. So each
+phase finishes within ``GPU_SUITE_LIMIT`` seconds (default 530) counted from its start, even cold;
+writes its results into ``$OUT`` when that is set, else ``benchmarks/results/``, as it goes (the
+benchmarks rewrite their files after every group of rows, so a phase cut short keeps what it
+measured); writes one log per phase and one status file for the machine, at most 6 files in all;
+and streams every child's output line by line (``PYTHONUNBUFFERED``), so a killed step leaves its log.
+
+Phases, in the order to run them (one command each):
+
+    env         versions, the GPU, which optional modules the image has, one fused forward+backward
+                checked against the eager reference (gpu_env_<device>.json)
+    tests       the GPU test files (the kernel and attention tests) in several pytest processes side by
+                side, so their cold kernel compiles share the CPU cores; pinned launch configs
+                (ALIBI_TRITON_AUTOTUNE=0) (gpu_tests_<device>.json)
+    sweep-518   benchmarks/bench_attention.py, ViT-B at 224 and 518 px: the fused kernel (default
+                backward, two-kernel backward, bias compiled out) against SDPA per kernel, with and
+                without the bias, constant / per-head / learned slopes (attention_<device>_518.{json,md})
+    sweep-1022  the same at 1022 px
+    sweep-2072  the same at 2072 px
+    flex        the fused kernel against FlexAttention (sqrt and table score_mods, and without bias),
+                each compiled with max-autotune, at 518 px (attention_<device>_flex-518.{json,md})
+    flex-1022   the same at 1022 px
+    sass        benchmarks/bench_kernel_sass.py with the machine's Triton (3.6 there): every config,
+                head_dim 64 and 128, bf16, compiled on all CPU cores (kernel_sass_sm90_triton<v>.{json,md})
+    all         every phase above in order, for a machine without the 10-minute limit
+
+Launch configs are pinned (``ALIBI_TRITON_AUTOTUNE=0``: the SASS proxy's first choice per kernel), so
+no phase spends its minutes autotuning and the timed configs are the proxy's. ``--smoke`` runs a phase
+on the CPU (Triton's interpreter, tiny shapes, forward-only Flex, one SASS compile) into ``$OUT`` or
+``benchmarks/results/smoke/``: not a measurement, a check that every phase's commands, arguments
+and files work (tests/test_bench_gpu_suite.py does that with the GPU image's missing modules blocked).
+When the image lacks pytest, the tests phase installs it from wheels carried in ``.whl/``
+(``pip download pytest -d .whl`` beforehand, and carry ``.whl``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import xml.etree.ElementTree as ElementTree
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from report import RESULTS, SMOKE_RESULTS, slug  # noqa: E402
+
+PHASE_LIMIT = int(os.environ.get("GPU_SUITE_LIMIT", "530"))
+# The test files that exercise the GPU: the kernel tests and the attention backends.
+GPU_TEST_FILES = ("tests/test_triton_attention.py", "tests/test_flex_attention.py", "tests/test_attention_backends.py",
+                  "tests/test_alibi_bias.py")
+SWEEP_BACKENDS = ("triton", "triton-two-kernel", "triton-nobias", "sdpa-bias", "sdpa-bias-cudnn",
+                  "sdpa-bias-efficient", "sdpa-nobias-flash", "sdpa-nobias-cudnn", "sdpa-nobias-efficient")
+FLEX_BACKENDS = ("triton", "flex", "flex-table", "flex-nobias")
+# What the GPU image has and lacks (the env phase reports each).
+OPTIONAL_MODULES = ("pytest", "lightning", "timm", "skimage", "tifffile", "jsonargparse", "fastapi", "uvicorn",
+                    "xgboost", "pycocotools", "pydensecrf2", "playwright")
+PHASES = ("env", "tests", "sweep-518", "sweep-1022", "sweep-2072", "flex", "flex-1022", "sass")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("phases", nargs="+", choices=(*PHASES, "all"), metavar="PHASE",
+                   help=f"one or more of {', '.join(PHASES)}, or all")
+    p.add_argument("--smoke", action="store_true", help="CPU dry run: interpreter, tiny shapes; not a measurement")
+    p.add_argument("--env-json", type=Path, help=argparse.SUPPRESS)  # the env phase's own child process
+    return p.parse_args(argv)
+
+
+class Phase:
+    """One phase: its deadline, its log (every child's output, line by line) and the commands it ran."""
+
+    def __init__(self, name, dest, device, smoke):
+        self.name, self.dest, self.device, self.smoke = name, dest, device, smoke
+        self.start = time.monotonic()
+        self.log_path = dest / f"gpu_suite_{name}_{device}.log"
+        self.log = open(self.log_path, "w", buffering=1)
+        self.commands = []
+        self.lock = threading.Lock()
+
+    def remaining(self):
+        return PHASE_LIMIT - (time.monotonic() - self.start)
+
+    def say(self, line):
+        with self.lock:
+            print(line, flush=True)
+            self.log.write(line + "\n")
+
+    def env(self, **extra):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])}
+        if self.smoke:
+            env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+        env.update(extra)
+        return {k: v for k, v in env.items() if v is not None}
+
+    def start_command(self, cmd, env, prefix=""):
+        """Start ``cmd`` and copy its output into the log as it comes; returns (process, reader thread, record)."""
+        record = {"command": " ".join(str(c) for c in cmd), "started_s": round(time.monotonic() - self.start, 1)}
+        self.say(f"== {prefix}{record['command']}")
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+
+        def copy():
+            for line in proc.stdout:
+                self.say(prefix + line.rstrip("\n"))
+
+        reader = threading.Thread(target=copy, daemon=True)
+        reader.start()
+        return proc, reader, record
+
+    def finish(self, proc, reader, record):
+        """Wait for a started command until the phase's deadline; a command still running then is killed."""
+        try:
+            proc.wait(timeout=max(1.0, self.remaining()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            record["timed_out"] = True
+        reader.join(timeout=10)
+        record["returncode"] = proc.returncode
+        record["seconds"] = round(time.monotonic() - self.start - record["started_s"], 1)
+        self.say(f"== exit {proc.returncode}{' (phase time limit)' if record.get('timed_out') else ''} after "
+                 f"{record['seconds']} s")
+        self.commands.append(record)
+        return record
+
+    def run(self, cmd, env=None, prefix=""):
+        return self.finish(*self.start_command(cmd, env or self.env(), prefix))
+
+
+def python():
+    return sys.executable
+
+
+# --------------------------------------------------------------------------------------------
+# Phases
+# --------------------------------------------------------------------------------------------
+
+def env_phase(phase):
+    out = phase.dest / f"gpu_env_{phase.device}.json"
+    phase.run([python(), "benchmarks/gpu_suite.py", "env", "--env-json", out] + (["--smoke"] if phase.smoke else []))
+    return [out]
+
+
+def env_report(path: Path, smoke: bool):
+    """Versions, device, optional modules, and one fused forward+backward against the eager reference."""
+    import importlib.util
+    import math
+    import platform
+
+    import numpy
+    import torch
+    import triton
+
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "python": platform.python_version(),
+              "torch": torch.__version__, "triton": triton.__version__, "numpy": numpy.__version__,
+              "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+              "settings": {k: v for k, v in os.environ.items() if k.startswith(("ALIBI_TRITON_", "TRITON_"))}}
+    modules = {}
+    for name in OPTIONAL_MODULES:
+        try:
+            modules[name] = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            modules[name] = False
+    report["modules"] = modules
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        report["device"] = {"name": props.name, "capability": list(torch.cuda.get_device_capability(0)),
+                            "memory_gib": round(props.total_memory / 2**30, 1), "sms": props.multi_processor_count}
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            report["nvidia_smi"] = subprocess.run([smi, "--query-gpu=name,driver_version,clocks.max.sm,power.limit",
+                                                   "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    path.write_text(json.dumps(report, indent=2) + "\n")  # before the kernel runs: versions survive a crash
+
+    from kernels.alibi_triton import atomic_dq_enabled, triton_alibi_attention
+    from kernels.attention import eager_alibi_attention
+
+    device = "cpu" if smoke else "cuda"
+    dtype, d = (torch.float16, 32) if smoke else (torch.bfloat16, 64)  # the interpreter's bf16 dot is wrong
+    grid, prefix, heads = ((3, 3) if smoke else (16, 16)), 5, 4
+    n = prefix + grid[0] * grid[1]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(2, heads, n, d, generator=gen).to(device, dtype) for _ in range(4))
+    slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)], device=device)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, slopes)]
+    out = triton_alibi_attention(*leaves[:3], grid, prefix, leaves[3], True, True)
+    grads = torch.autograd.grad(out, leaves, do)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v, slopes)]
+    ref = eager_alibi_attention(*ref_leaves[:3], grid, prefix, ref_leaves[3], True, True)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, do.double())
+
+    def rel(a, b):
+        return float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+    errors = {"out": rel(out, ref), **{name: rel(g, r) for name, g, r in zip(("dq", "dk", "dv", "dslopes"), grads,
+                                                                           ref_grads)}}
+    report["first_call"] = {"shape": [2, heads, n, d], "dtype": str(dtype).split(".")[-1], "grid": list(grid),
+                            "slopes": "learned", "atomic_dq": atomic_dq_enabled(q),
+                            "max_relative_error": {k: round(e, 6) for k, e in errors.items()},
+                            "finite": all(math.isfinite(e) for e in errors.values())}
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    if not report["first_call"]["finite"] or max(errors.values()) > 5e-2:
+        raise SystemExit(f"the fused kernel's first call is off: {errors}")
+
+
+def tests_phase(phase):
+    out = phase.dest / f"gpu_tests_{phase.device}.json"
+    if not _have_pytest(phase):
+        out.write_text(json.dumps({"error": "pytest is not installed and no wheels were carried in .whl/"}) + "\n")
+        return [out]
+    shards = 2 if phase.smoke else min(8, max(2, (os.cpu_count() or 2) // 2))
+    summary = {"files": list(GPU_TEST_FILES), "shards": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        running = []
+        for i in range(shards):
+            junit = Path(tmp) / f"shard{i}.xml"
+            cmd = [python(), "-m", "pytest", "-q", "-p", "pytest_shard", "--shard", f"{i}/{shards}", "-p",
+                   "no:cacheprovider", *(["--collect-only"] if phase.smoke else ["-rfE", f"--junitxml={junit}"]),
+                   *GPU_TEST_FILES]
+            running.append((i, junit, phase.start_command(cmd, phase.env(ALIBI_TRITON_AUTOTUNE="0"), f"[{i}] ")))
+        for i, junit, started in running:
+            record = phase.finish(*started)
+            summary["shards"].append({"shard": f"{i}/{shards}", **record, **_junit_counts(junit)})
+    counts = ("tests", "failures", "errors", "skipped")
+    summary["total"] = {c: sum(s.get(c, 0) for s in summary["shards"]) for c in counts}
+    if phase.smoke:  # collect-only: count what each share collected from the log
+        summary["collected"] = _collected(phase.log_path, shards)
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    return [out]
+
+
+def _have_pytest(phase):
+    try:
+        import pytest  # noqa: F401
+        return True
+    except ImportError:
+        pass
+    wheels = ROOT / ".whl"
+    if not wheels.is_dir():
+        phase.say("pytest is not installed here and no wheels were carried: run `pip download pytest -d .whl` "
+                  "on a machine with a registry and carry .whl")
+        return False
+    return phase.run([python(), "-m", "pip", "install", "--no-index", "--find-links", wheels, "pytest"])[
+        "returncode"] == 0
+
+
+def _junit_counts(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    root = ElementTree.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    counts = {c: int(suite.get(c, 0)) for c in ("tests", "failures", "errors", "skipped")}
+    failed = []
+    for case in suite.iter("testcase"):
+        for kind in ("failure", "error"):
+            node = case.find(kind)
+            if node is not None:
+                message = (node.get("message") or "").splitlines()
+                failed.append({"test": f"{case.get('classname')}::{case.get('name')}", "kind": kind,
+                               "message": message[0][:300] if message else ""})
+    return {**counts, "seconds": float(suite.get("time", 0)), "failed": failed}
+
+
+def _collected(log_path: Path, shards: int) -> dict:
+    """``{share: tests collected}`` from the log of collect-only shares ("[i] N tests collected")."""
+    import re
+
+    found = {}
+    for line in log_path.read_text().splitlines():
+        m = re.match(r"\[(\d+)\] (\d+)(?:/\d+)? tests? collected", line)
+        if m:
+            found[f"{m.group(1)}/{shards}"] = int(m.group(2))
+    return found
+
+
+def sweep_phase(phase, sizes, tag, backends=SWEEP_BACKENDS, smoke_args=("--slopes", "constant", "--modes", "fwd+bwd")):
+    cmd = [python(), "benchmarks/bench_attention.py", "--models", "vit-b", "--sizes", *map(str, sizes), "--repeats",
+           "3", "--rep", "50", "--backends", *backends, "--out-dir", phase.dest, "--tag", tag]
+    if phase.smoke:
+        cmd += ["--smoke", *smoke_args]
+    phase.run(cmd, phase.env(ALIBI_TRITON_AUTOTUNE="0"))
+    name = f"attention_{'cpu-smoke' if phase.smoke else phase.device}_{tag}"
+    return [phase.dest / f"{name}.json", phase.dest / f"{name}.md"]
+
+
+def flex_phase(phase, size):
+    # On the CPU flex has no backward: the smoke run times forwards only.
+    return sweep_phase(phase, [size], f"flex-{size}", FLEX_BACKENDS, ("--slopes", "constant", "--modes", "fwd"))
+
+
+def sass_phase(phase):
+    import triton
+
+    cmd = [python(), "benchmarks/bench_kernel_sass.py", "--dtypes", "bfloat16", "--out-dir", phase.dest]
+    if phase.smoke:
+        cmd += ["--kernels", "fwd", "--head-dims", "64", "--slopes", "constant", "--default-only"]
+    else:
+        cmd += ["--head-dims", "64", "128", "--jobs", str(os.cpu_count() or 1)]
+    # Compiles for sm_90 without launching anything: never under the interpreter.
+    phase.run(cmd, phase.env(TRITON_INTERPRET=None))
+    stem = f"kernel_sass_sm90_triton{'.'.join(triton.__version__.split('.')[:2])}"
+    return [phase.dest / f"{stem}.json", phase.dest / f"{stem}.md"]
+
+
+RUNNERS = {
+    "env": env_phase,
+    "tests": tests_phase,
+    "sweep-518": lambda phase: sweep_phase(phase, [224, 518], "518"),
+    "sweep-1022": lambda phase: sweep_phase(phase, [1022], "1022"),
+    "sweep-2072": lambda phase: sweep_phase(phase, [2072], "2072"),
+    "flex": lambda phase: flex_phase(phase, 518),
+    "flex-1022": lambda phase: flex_phase(phase, 1022),
+    "sass": sass_phase,
+}
+
+
+def device_name(smoke):
+    if smoke:
+        return "cpu-smoke"
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_suite: no CUDA device here; `bash benchmarks/gpu_suite.sh --smoke PHASE` dry-runs a "
+                         "phase on the CPU")
+    return slug(torch.cuda.get_device_name())
+
+
+def write_status(dest: Path, device: str, name: str, entry: dict):
+    """Merge one phase's entry into gpu_suite_<device>.json (earlier phases' entries in the same folder stay)."""
+    path = dest / f"gpu_suite_{device}.json"
+    try:
+        status = json.loads(path.read_text())
+    except (OSError, ValueError):
+        status = {}
+    status[name] = entry
+    path.write_text(json.dumps(status, indent=2) + "\n")
+    return path
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.env_json:
+        env_report(args.env_json, args.smoke)
+        return 0
+    if "OUT" in os.environ and os.environ["OUT"]:
+        dest = Path(os.environ["OUT"])
+    else:
+        dest = SMOKE_RESULTS if args.smoke else RESULTS
+    dest.mkdir(parents=True, exist_ok=True)
+    device = device_name(args.smoke)
+    phases = PHASES if "all" in args.phases else args.phases
+    failed = []
+    for name in phases:
+        phase = Phase(name, dest, device, args.smoke)
+        phase.say(f"== phase {name} on {device}{' (smoke: CPU, not a measurement)' if args.smoke else ''}, "
+                  f"{PHASE_LIMIT} s limit, results in {dest}")
+        try:
+            files = RUNNERS[name](phase)
+        except Exception as err:  # a phase that cannot start is reported; the next phase still runs
+            phase.say(f"== phase {name} failed: {type(err).__name__}: {err}")
+            files = []
+            phase.commands.append({"error": f"{type(err).__name__}: {err}"})
+        ok = all(c.get("returncode") == 0 and not c.get("timed_out") for c in phase.commands) and bool(phase.commands)
+        seconds = round(time.monotonic() - phase.start, 1)
+        phase.say(f"== phase {name}: {'ok' if ok else 'FAILED'} after {seconds} s")
+        phase.log.close()
+        written = [str(f.relative_to(dest)) for f in (*files, phase.log_path) if f.is_file()]
+        write_status(dest, device, name, {"ok": ok, "seconds": seconds, "limit_s": PHASE_LIMIT, "smoke": args.smoke,
+                                          "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                          "commands": phase.commands, "files": written})
+        if not ok:
+            failed.append(name)
+    if failed:
+        print(f"gpu_suite: {', '.join(failed)} did not finish cleanly (see the logs in {dest})")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""benchmarks/gpu_suite.sh would run on the lent GPU machine: a CPU dry run (--smoke) of every phase in a
+simulation of its image (the modules it lacks cannot be imported), into $OUT, within the limits."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import benchmark_module
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITE = ROOT / "benchmarks" / "gpu_suite.sh"
+# The GPU image (python 3.12, torch 2.11, triton 3.6, numpy 2.5, lightning, timm, scikit-image, tifffile) lacks these.
+MISSING_ON_GPU_IMAGE = ("jsonargparse", "fastapi", "uvicorn", "xgboost", "pycocotools", "pydensecrf2", "playwright")
+BLOCKER = """import sys
+
+class _MissingOnTheGpuImage:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (the GPU image lacks it)", name=name)
+        return None
+
+sys.meta_path.insert(0, _MissingOnTheGpuImage())
+"""
+MAX_FILES = 8  # what one command on the GPU machine may bring back
+
+suite = benchmark_module("gpu_suite")
+shard = benchmark_module("pytest_shard")
+
+
+@pytest.fixture
+def gpu_image(tmp_path):
+    """Environment of a process that sees the GPU image's modules: a sitecustomize blocks the missing ones."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCKER.format(blocked=set(MISSING_ON_GPU_IMAGE)))
+    env = {**os.environ, "PYTHONPATH": str(site), "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
+           "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return env
+
+
+def _smoke(env, *phases):
+    proc = subprocess.run(["bash", str(SUITE), "--smoke", *phases], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    out = Path(env["OUT"])
+    status_file = out / "gpu_suite_cpu-smoke.json"
+    return proc, out, json.loads(status_file.read_text()) if status_file.is_file() else {}
+
+
+def _check_phase(out, status, phase):
+    entry = status[phase]
+    assert entry["ok"] and entry["smoke"] and entry["seconds"] < entry["limit_s"], entry
+    assert all(c["returncode"] == 0 for c in entry["commands"])
+    for name in entry["files"]:
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    log = (out / f"gpu_suite_{phase}_cpu-smoke.log").read_text()
+    assert f"== phase {phase}: ok" in log
+    return entry
+
+
+def test_the_simulated_image_lacks_its_modules(gpu_image):
+    for name in MISSING_ON_GPU_IMAGE:
+        proc = subprocess.run([sys.executable, "-c", f"import {name}"], env=gpu_image, capture_output=True, text=True)
+        assert proc.returncode != 0 and "the GPU image lacks it" in proc.stderr, name
+
+
+def test_env_phase_reports_the_image_and_checks_a_first_call(gpu_image):
+    proc, out, status = _smoke(gpu_image, "env")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    _check_phase(out, status, "env")
+    report = json.loads((out / "gpu_env_cpu-smoke.json").read_text())
+    assert report["torch"] and report["triton"] and report["numpy"]
+    assert report["modules"]["pytest"] and not any(report["modules"][m] for m in MISSING_ON_GPU_IMAGE)
+    first = report["first_call"]
+    assert first["finite"] and set(first["max_relative_error"]) == {"out", "dq", "dk", "dv", "dslopes"}
+    assert max(first["max_relative_error"].values()) < 5e-2  # fp16 against the float64 eager reference
+    assert len(list(out.iterdir())) <= MAX_FILES
+
+
+def test_tests_phase_collects_every_gpu_test_file_in_disjoint_shares(gpu_image):
+    proc, out, status = _smoke(gpu_image, "tests")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    _check_phase(out, status, "tests")
+    report = json.loads((out / "gpu_tests_cpu-smoke.json").read_text())
+    assert report["files"] == list(suite.GPU_TEST_FILES)
+    log = (out / "gpu_suite_tests_cpu-smoke.log").read_text()
+    # Each share reports "kept/total tests collected": together they hold every test once.
+    totals = {int(line.split("/")[1].split()[0]) for line in log.splitlines() if "tests collected" in line}
+    (total,) = totals
+    assert total > 100 and sum(report["collected"].values()) == total and len(report["collected"]) == 2
+    assert len(list(out.iterdir())) <= MAX_FILES
+
+
+@pytest.mark.parametrize("phase,tag", [("sweep-518", "518"), ("flex", "flex-518")])
+def test_benchmark_phases_write_their_rows_as_they_go(gpu_image, phase, tag):
+    proc, out, status = _smoke(gpu_image, phase)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    entry = _check_phase(out, status, phase)
+    report = json.loads((out / f"attention_cpu-smoke_{tag}.json").read_text())
+    assert report["complete"] and not report["autotune"] and report["rows"]
+    assert all(r["status"] == "ok" for r in report["rows"]), [r for r in report["rows"] if r["status"] != "ok"]
+    backends = {r["backend"] for r in report["rows"]}
+    assert backends == ({"triton", "flex", "flex-table", "flex-nobias"} if phase == "flex"
+                        else {"triton", "triton-two-kernel", "triton-nobias", "sdpa-bias"})
+    assert f"attention_cpu-smoke_{tag}.md" in entry["files"]
+    assert len(list(out.iterdir())) <= MAX_FILES
+
+
+def test_the_other_sizes_and_the_sass_phase(gpu_image):
+    proc, out, status = _smoke(gpu_image, "sweep-1022", "sweep-2072", "flex-1022", "sass")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    for phase, tag in (("sweep-1022", "1022"), ("sweep-2072", "2072"), ("flex-1022", "flex-1022")):
+        _check_phase(out, status, phase)
+        assert json.loads((out / f"attention_cpu-smoke_{tag}.json").read_text())["complete"]
+    entry = _check_phase(out, status, "sass")
+    (sass,) = [name for name in entry["files"] if name.endswith(".json")]
+    report = json.loads((out / sass).read_text())
+    assert report["complete"] and {r["variant"] for r in report["rows"]} == {"alibi", "nobias"}
+    # Four phases' results, logs and one status file: one command each on the GPU machine brings back its own.
+    assert all(len(status[p]["files"]) + 1 <= MAX_FILES for p in status)
+
+
+def test_a_phase_needs_a_gpu_or_smoke(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(SUITE), "env"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "no CUDA device" in proc.stderr + proc.stdout
+    proc = subprocess.run(["bash", str(SUITE), "--smoke", "warp"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_shares_hold_every_test_once():
+    items = list(range(11))
+    shares = [shard.share(items, i, 3) for i in range(3)]
+    kept = [k for k, _ in shares]
+    assert kept == [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8]]
+    assert all(sorted(k + d) == items for k, d in shares)
+    assert shard.parse_shard("2/4") == (2, 4)
+    for bad in ("4/4", "x/2", "1", "-1/3"):
+        with pytest.raises(ValueError, match="--shard"):
+            shard.parse_shard(bad)
