@@ -340,3 +340,21 @@ def test_images_a_killed_run_committed_are_listed_by_the_next_run(tmp_path):
         assert sorted(folder.images) == ["a.png", "b.png"]
         assert folder.finished("a.png")["input_sha256"] == "a.png"
     assert written[-1] == ["a.png", "b.png"]  # by name, not by the order they were written in
+
+
+def test_a_share_without_images_still_counts_for_the_merge(tmp_path):
+    from alibi_vit.trainable.output_folder import merge_shards
+
+    settings = {"model_digest": "d", "crf": "off", "modal": 0, "classes": [1, 2]}
+    rows = []
+
+    def csv_for(classes):
+        return lambda path, names, counts: (rows.append((list(classes), list(names))), Path(path).write_text("x"))
+
+    with OutputFolder(tmp_path, settings, csv_for([1, 2]), shard=(0, 2)) as folder:
+        (folder.stage("a.png", tmp_path) / "a_mask.png").write_bytes(b"1")
+        folder.commit("a.png", tmp_path / "a.png", [("a.png", [3, 1], 4)])
+    with OutputFolder(tmp_path, settings, csv_for([1, 2]), shard=(1, 2)):
+        pass  # its only image could not be read, say
+    assert merge_shards(tmp_path, csv_for) == (2, 1)
+    assert rows[-1] == ([1, 2], ["a.png"]) and not list(tmp_path.glob("*shard*"))

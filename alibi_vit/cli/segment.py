@@ -17,6 +17,7 @@ the same name plus ``_labels``/``_label``/``_mask``/``_masks``/``_gt``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -427,7 +428,8 @@ def _apply(args) -> int:
             model = seg if scheduler.kind == "threads" else executor.broadcast(
                 ModelPackage.from_folder(args.model, digest, seg.crf, seg.modal, args.device))
             outcome = run_jobs(executor, model, jobs, folder)
-    write_colour_key(args.out / "colour_key.png", seg.classes_, k)
+    key = write_colour_key(args.out / ".colour_key.part.png", seg.classes_, k)  # complete or absent: shares
+    os.replace(key, args.out / "colour_key.png")  # write it at the same time
     failed = [p.name for p, _ in unreadable] + [name for name, _ in outcome.failed]
     kept = f"; {outcome.kept} kept from an earlier run (--resume)" if args.resume else ""
     print(f"segmented {outcome.written} of {len(files)} image(s) into {args.out}{kept} "

@@ -452,9 +452,9 @@ class OutputFolder:
             os.replace(temporary, self.csv_path)
         else:
             self.csv_path.unlink(missing_ok=True)
-        if not self.images:  # nothing written: nothing to account for, and no model claims the folder
+        if not self.images and self.shard is None:  # nothing written: no model claims the folder
             self.manifest_path.unlink(missing_ok=True)
-            return
+            return  # (a share keeps its manifest, empty or not: segment merge must see that it ran)
         manifest = {"format": MANIFEST_FORMAT, "command": "alibi-vit segment apply", "complete": complete,
                     "settings": self.settings, "images": self.images}
         if self.shard is not None:
