@@ -358,3 +358,22 @@ def test_a_share_without_images_still_counts_for_the_merge(tmp_path):
         pass  # its only image could not be read, say
     assert merge_shards(tmp_path, csv_for) == (2, 1)
     assert rows[-1] == ([1, 2], ["a.png"]) and not list(tmp_path.glob("*shard*"))
+
+
+def test_a_model_with_a_vit_backbone_goes_to_the_workers_with_its_weights(data, cluster, tmp_path):
+    """A random-init backbone is saved in the model folder (backbone.safetensors): the workers load it from
+    the files they are sent. Features from PyTorch in single-threaded workers equal those of this process."""
+    images = tmp_path / "in"
+    images.mkdir()
+    for i in range(2):
+        tifffile.imwrite(images / f"v{i}.tif", synthetic_micrograph((70, 84), seed=20 + i)[0])
+    _, truth = synthetic_micrograph((70, 84), seed=20)
+    Image.fromarray(scribbles(truth, 2, rng=0).astype(np.uint8)).save(tmp_path / "v0_labels.png")
+    assert main(["segment", "train", "--images", str(images / "v0.tif"), "--labels", str(tmp_path / "v0_labels.png"),
+                 "--out", str(tmp_path / "model"), "--trees", "3", "--backbone", "alibi_vit_small_patch14_reg4_dinov2",
+                 "--model-arg", "depth=1", "--model-arg", "embed_dim=48", "--model-arg", "num_heads=2",
+                 "--components", "3", "--allow-random-init"]) == 0
+    assert (tmp_path / "model" / "backbone.safetensors").is_file()
+    assert _apply(tmp_path / "model", images, tmp_path / "threads") == 0
+    assert _apply(tmp_path / "model", images, tmp_path / "cluster", "--scheduler", cluster) == 0
+    assert _files(tmp_path / "cluster") == _files(tmp_path / "threads")
