@@ -217,7 +217,12 @@ def segment_tile(model, layout, step: int, index) -> Result:
 
 def finish_chunked(layout) -> Result:
     """Last unit of a chunked image: its pyramids (and BigTIFF files)."""
-    return _caught(lambda: (layout.finish(), Result())[1])
+
+    def work():
+        layout.finish()
+        return Result()
+
+    return _caught(work)
 
 
 def chunked_units(shape, seg) -> int:
@@ -240,7 +245,6 @@ class _Chunked:
     waiting: int = 0
     counts: object = None
     cpu: float = 0.0
-    notes: list = field(default_factory=list)
 
 
 @dataclass
