@@ -3,9 +3,9 @@
     python benchmarks/bench_trainable_seg.py            # the figures in benchmarks/results/trainable_seg_cpu.md
     python benchmarks/bench_trainable_seg.py --smoke    # small sizes, checks the script works
 
-Measures, on one synthetic 3-phase 16-bit micrograph of --size px: the classical featuriser
-(and skimage's ``multiscale_basic_features`` on the same image, same run), an XGBoost fit on
---pixels labelled pixels, prediction (features + classifier) per megapixel, ViT-S features at
+Measures, on one synthetic 3-phase 16-bit micrograph of --size px: the classical featuriser with
+the segmenter's default filter set (and skimage's ``multiscale_basic_features`` on the same image,
+same run), a fit of the default classifier on --pixels labelled pixels, prediction (features + classifier) per megapixel, ViT-S features at
 518-px tiles, and the memory a --memory-size prediction takes above the process's baseline.
 Targets (2-core CPU, 1024 px): features ≤ 5 s, fit ≤ 10 s, prediction ≤ 5 s/MP, memory at 4096 px < 3 GB.
 """
@@ -129,13 +129,14 @@ def main(argv=None) -> int:
     import torch
 
     from alibi_vit.trainable import TrainableSegmenter, classical_features, synthetic_micrograph, to_unit_float
-    from alibi_vit.trainable.classifier import balanced_weights, make_classifier
+    from alibi_vit.trainable.classifier import DEFAULT_CLASSIFIER, balanced_weights, make_classifier
+    from alibi_vit.trainable.segmenter import DEFAULT_FILTERS
 
     threads = torch.get_num_threads()
     image, mask = synthetic_micrograph(args.size, seed=0)
     res = {"size": args.size, "dtype": str(image.dtype), "torch_threads": threads, "xgb_threads": args.xgb_threads,
            "load_before": _load()}
-    t, feats = _time(lambda: classical_features(image), args.repeats, "features_s")
+    t, feats = _time(lambda: classical_features(image, filters=DEFAULT_FILTERS), args.repeats, "features_s")
     res["features_s"], res["features_count"] = t, feats.shape[-1]
     x01 = to_unit_float(image)
     t, sk = _time(lambda: skimage.feature.multiscale_basic_features(x01), args.repeats, "skimage_mbf_s")
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
     idx = rng.choice(image.size, min(args.pixels, image.size), replace=False)
     X = np.ascontiguousarray(feats.reshape(-1, feats.shape[-1])[idx])
     y = mask.ravel()[idx] - 1
-    clf = make_classifier("xgboost", seed=0, n_jobs=args.xgb_threads)
+    clf = make_classifier(DEFAULT_CLASSIFIER, seed=0, n_jobs=args.xgb_threads)
     t, _ = _time(lambda: clf.fit(X, y, sample_weight=balanced_weights(y)), args.repeats, "fit_s")
     res["fit_pixels"], res["fit_s"] = len(y), t
     feats = X = None  # free the memory before the prediction is timed
@@ -202,12 +203,12 @@ def main(argv=None) -> int:
         "",
         "| step | wall time (s) | CPU time (s) | target (wall) | |",
         "|---|---:|---:|---:|---|",
-        f"| classical features ({res['features_count']} per pixel) | {res['features_s']:.2f} | "
+        f"| classical features ({DEFAULT_FILTERS} set, {res['features_count']} per pixel) | {res['features_s']:.2f} | "
         f"{cpu('features_s')} | ≤ 5 | "
         f"{ok('features_s')} |",
         f"| skimage `multiscale_basic_features` ({res['skimage_mbf_count']} per pixel), same image | "
         f"{res['skimage_mbf_s']:.2f} | {cpu('skimage_mbf_s')} | | reference |",
-        f"| XGBoost fit, {res['fit_pixels']} labelled pixels × {res['features_count']} features, 3 classes | "
+        f"| {DEFAULT_CLASSIFIER} fit, {res['fit_pixels']} labelled pixels × {res['features_count']} features, 3 classes | "
         f"{res['fit_s']:.2f} | {cpu('fit_s')} | ≤ 10 | {ok('fit_s')} |",
         f"| prediction (features + classifier) of the {args.size} px image = {mp:.2f} MP | {res['predict_s']:.2f} | "
         f"{cpu('predict_s')} | ≤ {5 * mp:.1f} | {ok('predict_s_per_mp')} |",

@@ -106,7 +106,7 @@ def test_a_folder_of_another_model_or_crf_is_refused_naming_the_difference(data,
     assert "another model" in err and str(model) in err and str(other) in err
     assert main(["segment", "apply", "--model", str(model), "--crf", "on", "--images", str(root / "b"),
                  "--out", str(out)]) == 2
-    assert "crf off there, paper now" in _one_line_error(capsys)
+    assert "crf off there, gentle now" in _one_line_error(capsys)  # --crf on: the default preset, gentle
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing touched
 
 

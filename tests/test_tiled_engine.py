@@ -43,7 +43,7 @@ def big(tmp_path_factory):
     seg = TrainableSegmenter(**FAST, intensity_range=(float(image.min()), float(image.max())))
     seg.fit([image[:400, :400]], [scribbles(truth[:400, :400], 2, rng=0)])
     x = seg.scale(image)
-    feats = classical_features(x, intensity=None)
+    feats = classical_features(x, intensity=None, filters=seg.filters)
     proba = seg.model_.predict_proba(np.ascontiguousarray(feats.reshape(-1, feats.shape[-1])))
     return folder, image, labels, seg, x, proba.reshape(SIZE, SIZE, -1).astype(np.float32)
 

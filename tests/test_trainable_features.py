@@ -127,11 +127,12 @@ def test_tiny_images_get_features():
         assert f.shape == shape + (63,) and np.isfinite(f).all()
 
 
-def test_crop_with_halo_gives_the_whole_image_features():
-    x = np.random.default_rng(4).random((90, 100)).astype(np.float32)
-    g = halo()
-    whole = classical_features(x, intensity=None)
-    crop = classical_features(x[10:90, 5:100], intensity=None)  # margin g around [10+g, 90) × [5+g, 100)
+@pytest.mark.parametrize("filters, size", [("weka", (90, 100)), ("compact", (160, 170))])
+def test_crop_with_halo_gives_the_whole_image_features(filters, size):
+    x = np.random.default_rng(4).random(size).astype(np.float32)
+    g = halo(filters=filters)
+    whole = classical_features(x, intensity=None, filters=filters)
+    crop = classical_features(x[10:, 5:], intensity=None, filters=filters)  # margin g around [10+g, H) × [5+g, W)
     np.testing.assert_allclose(crop[g:, g:], whole[10 + g:, 5 + g:], atol=1e-6)
 
 

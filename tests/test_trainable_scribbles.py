@@ -114,9 +114,11 @@ def test_fitted_intensity_holds_under_composition_shift_where_per_image_stretch_
     from alibi_vit.trainable.benchmark import compare_intensity, composition_shift_data
 
     (tr, trm), (te, tem) = composition_shift_data(2, 2, size=96, seed=0)
+    # The classifier and filters this case was written with (the former defaults): it is about intensity modes.
     rows, preds, masks = compare_intensity(
         tr, trm, te, tem, modes=("training", "percentile", "dtype"), rounds=1, per_class=2, seed=0,
-        segmenter_kwargs=dict(classifier_params={"n_estimators": 15, "n_jobs": 1}, sigmas=(0, 1, 2, 4)))
+        classifier="xgboost", segmenter_kwargs=dict(classifier_params={"n_estimators": 15, "n_jobs": 1},
+                                                    sigmas=(0, 1, 2, 4), filters="weka"))
     by = {r["method"]: r for r in rows}
     assert set(by) == {f"classical [intensity={m}]" for m in ("training", "percentile", "dtype")}
     for r in rows:  # pixel accuracy recomputed from the predictions

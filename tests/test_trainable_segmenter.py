@@ -8,6 +8,7 @@ import torch
 
 from alibi_vit.trainable import TrainableSegmenter, mean_iou, scribbles, synthetic_dataset
 from alibi_vit.trainable.classical import classical_feature_names
+from alibi_vit.trainable.segmenter import DEFAULT_CRF_PRESET, DEFAULT_FILTERS
 from alibi_vit.trainable.classifier import balanced_weights
 from helpers import TINY, tiny_model
 
@@ -182,7 +183,7 @@ def test_crf_option_predicts_and_survives_save_load(tmp_path, data):
     assert not np.allclose(proba, plain.predict_proba(te[:1])[0], atol=1e-3)  # the CRF changed something
     seg.save(tmp_path / "crf")
     loaded = TrainableSegmenter.load(tmp_path / "crf")
-    assert loaded.crf == "paper" and loaded.crf_params == {"iterations": 5}  # crf=True: the paper preset
+    assert loaded.crf == DEFAULT_CRF_PRESET == "gentle" and loaded.crf_params == {"iterations": 5}  # crf=True
     np.testing.assert_array_equal(loaded.predict(te[:1])[0], seg.predict(te[:1])[0])
 
 
@@ -252,10 +253,10 @@ def _fit_recording(monkeypatch, image, lab, **kwargs):
     """Fit on one image; return the training rows' class counts and the numpy peak memory of fit()."""
     import tracemalloc
 
-    import alibi_vit.trainable.segmenter as segmenter
+    import alibi_vit.trainable.classifier as classifier
 
     seen = {}
-    real = segmenter.make_classifier
+    real = classifier.make_classifier
 
     def recording(*a, **k):
         model = real(*a, **k)
@@ -267,7 +268,7 @@ def _fit_recording(monkeypatch, image, lab, **kwargs):
         model.fit = fit_and_record
         return model
 
-    monkeypatch.setattr(segmenter, "make_classifier", recording)
+    monkeypatch.setattr(classifier, "make_classifier", recording)
     seg = TrainableSegmenter(**FAST, **kwargs)
     tracemalloc.start()
     seg.fit([image], [lab])
@@ -323,7 +324,7 @@ def test_colour_features_are_the_grey_path_per_channel():
     seg = TrainableSegmenter(**FAST, intensity="dtype").fit([rgb, rgb2], [lab, lab2])
     grey = TrainableSegmenter(**FAST, intensity="dtype")
     f = seg.features(rgb)
-    n = len(classical_feature_names((0, 1, 4)))
+    n = len(classical_feature_names((0, 1, 4), DEFAULT_FILTERS))
     assert f.shape == rgb.shape[:2] + (3 * n,) and len(seg.feature_names) == 3 * n
     for c in range(3):  # each channel's block equals the grayscale features of that channel alone
         np.testing.assert_array_equal(f[..., c * n:(c + 1) * n], grey.features(rgb[..., c]))
@@ -434,7 +435,7 @@ def test_user_feature_hook_is_appended_and_saved_by_import_path(tmp_path, data):
     seg = TrainableSegmenter(**FAST, feature_fn=user_features, modal=3).fit(tr, labels)
     f = seg.features(te[0])
     x = seg.scale(te[0])
-    n = len(classical_feature_names((0, 1, 4)))
+    n = len(classical_feature_names((0, 1, 4), DEFAULT_FILTERS))
     np.testing.assert_array_equal(f[..., n:], user_features(x))
     np.testing.assert_allclose(f[..., :n], TrainableSegmenter(**FAST, intensity="dtype").features(x), atol=1e-6)
     assert seg.feature_names[-2:] == ["user_0", "user_1"]

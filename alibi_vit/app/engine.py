@@ -154,7 +154,9 @@ class Engine:
         return self._trainer
 
     def _crf(self):
-        return "paper" if self.session.settings.get("crf") else False
+        from ..trainable.segmenter import DEFAULT_CRF_PRESET
+
+        return DEFAULT_CRF_PRESET if self.session.settings.get("crf") else False
 
     def current_model(self) -> dict | None:
         """The trained model's record when it belongs to the current backbone choice, else None."""

@@ -3,6 +3,7 @@
     alibi-vit segment train --images DIR_OR_FILES --labels DIR_OR_FILES \
         [--backbone NAME --checkpoint PATH] --out MODEL_DIR
     alibi-vit segment apply --model MODEL_DIR --images DIR_OR_FILES --out DIR
+    alibi-vit segment benchmark --dataset NAME [--protocol sparse dense authors] [--classifier ...] [--crf ...]
     alibi-vit segment benchmark (--synthetic | --train-images ... --train-masks ... --test-images ... --test-masks ...)
 
 TIFFs above 16.8 megapixels and zarr/OME-Zarr stores are read lazily and segmented tile by tile,
@@ -28,11 +29,19 @@ from tqdm.auto import tqdm
 from ..files import check_folder_path
 from .options import add_figure_arguments, at_least, checkpoints_by_model, parse_model_args
 
+# The choices of the options, named here so that parsing them imports no torch; they are the
+# library's (alibi_vit.trainable; tests/test_trainable_micrographs.py checks that they agree).
+CLASSIFIERS, DEFAULT_CLASSIFIER = ("random_forest", "xgboost"), "random_forest"
+FILTER_SETS, DEFAULT_FILTERS = ("compact", "weka"), "compact"
+CRF_PRESETS, DEFAULT_CRF_PRESET = ("gentle", "paper", "library"), "gentle"
+DATASETS = ("super", "ebc", "isb", "all")
+PROTOCOLS = ("sparse", "dense", "authors")
 ACTIONS = {
     "train": "train a pixel classifier from images and sparse label images",
     "apply": "segment images with a trained model; an unreadable image is skipped, named, and ends in exit status 1",
     "merge": "combine the shares of a run split with --shard into the folder's area_fractions.csv",
-    "benchmark": "scribble benchmark: test mIoU per round of generated scribbles",
+    "benchmark": "benchmarks: --dataset NAME scores configurations on the shipped labelled micrographs (mIoU, pixel "
+                 "accuracy, spread over seeds); otherwise test mIoU per round of generated scribbles",
 }
 LABEL_SUFFIXES = ("", "_labels", "_label", "_mask", "_masks", "_gt", "-labels", "-mask")
 OUT_FORMATS = ("auto", "png", "tif", "ome-zarr", "bigtiff")
@@ -59,14 +68,21 @@ def _add_backbone_arguments(p, several: bool):
     p.add_argument("--device", default=None, help="where the backbone runs (default: cuda if available, else cpu)")
 
 
-def _add_common(p):
-    p.add_argument("--classifier", choices=("xgboost", "random_forest"), default="xgboost",
-                   help="pixel classifier: xgboost (default; histogram method, balanced classes) or random_forest")
-    p.add_argument("--intensity", choices=("training", "auto", "percentile", "minmax", "dtype"), default="training",
+def _add_common(p, several: bool = False):
+    many = dict(nargs="+") if several else {}
+    listed = (lambda v: [v]) if several else (lambda v: v)  # noqa: E731
+    either = " (several: each is a configuration of --dataset)" if several else ""
+    p.add_argument("--classifier", choices=CLASSIFIERS, default=listed(DEFAULT_CLASSIFIER), **many,
+                   help=f"pixel classifier (default {DEFAULT_CLASSIFIER}; docs/segmentation.md gives the benchmark "
+                        f"behind it){either}")
+    p.add_argument("--filters", choices=FILTER_SETS, default=listed(DEFAULT_FILTERS), **many,
+                   help=f"classical filter set: compact (default, 29 features) or weka (the paper's 63){either}")
+    p.add_argument("--intensity", choices=("training", "auto", "percentile", "minmax", "dtype"),
+                   default=listed("training"), **many,
                    help="how images are scaled to [0, 1]: training (default: black/white points fitted once on "
                         "the training images' pooled pixels, stored with the model, applied unchanged to every "
                         "image); or each image by itself: auto (0.5–99.5th percentiles for grayscale, dtype for "
-                        "colour), percentile, minmax, dtype")
+                        "colour), percentile, minmax, dtype" + either)
     p.add_argument("--components", type=at_least(1), default=9, help="PCA components of the ViT features")
     p.add_argument("--trees", type=at_least(1), default=None,
                    help="number of trees (boosting rounds, or forest size) instead of the classifier's default")
@@ -92,9 +108,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--colour", choices=("channels", "grey"), default="channels",
                    help="colour images: featurised per channel (default; the model then takes colour images only) "
                         "or converted to grey (luma)")
-    t.add_argument("--crf", nargs="?", const="paper", choices=("paper", "library"), default=None,
-                   help="refine predictions with a dense CRF when applying: preset paper (the paper notebook's "
-                        "sxy values; the default of a bare --crf) or library (the authors' backend's defaults)")
+    t.add_argument("--crf", nargs="?", const=DEFAULT_CRF_PRESET, choices=CRF_PRESETS, default=None,
+                   help="refine predictions with a dense CRF when applying: preset gentle (chosen on the labelled "
+                        "micrographs, keeps thin phases; the default of a bare --crf), paper (the paper notebook's "
+                        "sxy values) or library (the authors' backend's defaults)")
     t.add_argument("--out", type=Path, required=True, metavar="MODEL_DIR",
                    help="folder to write the model to (config.json, classifier.json; what apply --model reads)")
     a = sub.add_parser("apply", help=ACTIONS["apply"], description=ACTIONS["apply"])
@@ -117,9 +134,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--no-overlay", action="store_true", help="write only the masks, no overlay PNGs")
     a.add_argument("--proba", action="store_true",
                    help="also write per-class probability TIFFs (<name>_proba_<class>.tif, float32)")
-    a.add_argument("--crf", choices=("model", "on", "off", "paper", "library"), default="model",
-                   help="dense-CRF clean-up: as the model was trained (default), on (preset paper), off, or a "
-                        "preset (paper, library)")
+    a.add_argument("--crf", choices=("model", "on", "off") + CRF_PRESETS, default="model",
+                   help=f"dense-CRF clean-up: as the model was trained (default), on (preset {DEFAULT_CRF_PRESET}), "
+                        f"off, or a preset ({', '.join(CRF_PRESETS)})")
     a.add_argument("--modal", type=at_least(0), default=None, metavar="N",
                    help="majority filter of odd window N px (0: none; default: as the model was trained)")
     a.add_argument("--device", default=None, help="where a ViT backbone runs (default: cuda if available, else cpu)")
@@ -142,8 +159,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "is warned about)")
     b.add_argument("--synthetic-count", type=at_least(1), nargs=2, default=(5, 5), metavar=("TRAIN", "TEST"),
                    help="number of generated training and test images (default 5 5)")
+    b.add_argument("--dataset", choices=DATASETS, default=None,
+                   help="the labelled micrographs shipped with alibi-vit: super (Ni-superalloy SEM), ebc (barrier "
+                        "coatings), isb (the interactive-seg-backend authors' test images), all. Per image and seed: "
+                        "label by each --protocol, train on that image, segment it, score it; writes runs.csv, "
+                        "summary.csv and summary.md")
+    b.add_argument("--split", choices=("train", "test", "all"), default="all",
+                   help="with --dataset: the images the defaults were chosen on (train), the others (test), or all")
+    b.add_argument("--images", nargs="+", default=None, metavar="NAME", help="with --dataset: only these images")
+    b.add_argument("--protocol", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS),
+                   help="with --dataset: sparse (seeded strokes from the ground truth), dense (every pixel), authors "
+                        "(the ISB authors' scribbles, where an image has them); default all three")
+    b.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="with --dataset: seeds (default 0 1 2)")
+    b.add_argument("--dense-seeds", type=int, nargs="+", default=None,
+                   help="with --dataset: seeds of the dense protocol (default --seeds; only the classifier's "
+                        "randomness varies there)")
+    b.add_argument("--crf", nargs="+", choices=("off",) + CRF_PRESETS, default=None,
+                   help="with --dataset: CRF settings to compare (default: the segmenter's default)")
+    b.add_argument("--crop", type=int, default=None, metavar="PX",
+                   help="with --dataset: score the central PX×PX of each image only (quick runs)")
     _add_backbone_arguments(b, several=True)
-    _add_common(b)
+    _add_common(b, several=True)
     b.add_argument("--rounds", type=at_least(1), default=5,
                    help="scribble rounds: each adds --per-class scribbles per class per image and retrains (default 5)")
     b.add_argument("--per-class", type=at_least(1), default=1, help="scribbles per class per training image per round")
@@ -288,6 +324,7 @@ def _train(args) -> int:
     seg = TrainableSegmenter(args.backbone, args.classifier, args.crf or False, n_components=args.components,
                              classifier_params=_classifier_params(args),
                              intensity=args.intensity, device=args.device, seed=args.seed, progress=True,
+                             filters=args.filters,
                              colour=args.colour, feature_fn=args.features, modal=args.modal, **backbone_kwargs)
     seg.fit(images, labels)
     seg.save(args.out)
@@ -398,7 +435,7 @@ def _apply(args) -> int:
     if args.modal is not None:
         seg.modal = args.modal
     if args.crf != "model":
-        seg.crf = {"on": "paper", "off": False}.get(args.crf, args.crf)
+        seg.crf = {"on": DEFAULT_CRF_PRESET, "off": False}.get(args.crf, args.crf)
     _check_channels_once(seg, files, kinds)
     k = int(seg.classes_.max())
     digest = model_digest(args.model)
@@ -465,6 +502,15 @@ def _benchmark(args) -> int:
     from ..synthetic import synthetic_dataset
     from ..trainable.benchmark import compare_intensity, composition_shift_data, scribble_benchmark, write_outputs
 
+    if args.dataset is not None:
+        return _dataset_benchmark(args)
+    if args.crf or args.crop or args.images or args.split != "all":
+        raise ValueError("--crf, --crop, --images and --split go with --dataset NAME")
+    for option in ("classifier", "filters", "intensity"):
+        if len(getattr(args, option)) > 1:
+            raise ValueError(f"several --{option} values compare configurations of --dataset; the scribble-round "
+                             "benchmark takes one")
+        setattr(args, option, getattr(args, option)[0])
     if (args.synthetic or args.composition_shift) and args.synthetic_size < MIN_SYNTHETIC_SIZE:
         warnings.warn(f"--synthetic-size {args.synthetic_size}: images under {MIN_SYNTHETIC_SIZE} px are smaller "
                       "than the filters' reach (σ up to 16 px) and hold few scribbles: the scores mean little")
@@ -497,7 +543,8 @@ def _benchmark(args) -> int:
                 **parse_model_args(args.model_arg))
     run_kwargs = dict(rounds=args.rounds, per_class=args.per_class, seed=args.seed, classifier=args.classifier,
                       progress=True)
-    seg_kwargs = dict(n_components=args.components, classifier_params=_classifier_params(args), device=args.device)
+    seg_kwargs = dict(n_components=args.components, classifier_params=_classifier_params(args), device=args.device,
+                      filters=args.filters)
     if args.composition_shift:
         rows, preds, test_masks = compare_intensity(tr, trm, te, tem, backbones, segmenter_kwargs=seg_kwargs,
                                                     **run_kwargs)
@@ -518,6 +565,56 @@ def _benchmark(args) -> int:
     print(f"round {args.rounds}: {'method':<{width}}  mIoU   pixel accuracy")
     for row in last:
         print(f"{'':>{len(str(args.rounds)) + 8}}{row['method']:<{width}}  {row['miou']:.3f}  {row['pixel_accuracy']:.3f}")
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _dataset_benchmark(args) -> int:
+    """``segment benchmark --dataset NAME``: every configuration on the shipped labelled micrographs."""
+    import itertools
+    import os
+
+    from ..trainable.datasets import load_micrographs
+    from ..trainable.micrograph_benchmark import micrograph_benchmark, write_tables
+    from ..trainable.segmenter import DEFAULT_CRF
+
+    if args.synthetic or args.composition_shift or args.train_images or args.test_images:
+        raise ValueError("--dataset brings its own images: give no --synthetic, --composition-shift or image folders")
+    if args.crop is not None and args.crop < 16:
+        raise ValueError(f"--crop must be at least 16 px, got {args.crop}")
+    checkpoints = _check_backbone_weights(args, args.backbone)
+    check_folder_path(args.out)
+    items = load_micrographs(args.dataset, None if args.split == "all" else args.split, args.images)
+    if not items:
+        among = " among --images" if args.images else ""
+        raise ValueError(f"dataset {args.dataset!r} has no {args.split} image{among}")
+    if args.crop:
+        items = [item.cropped(args.crop) for item in items]
+    backbones = {"classical": None}
+    for name in args.backbone:
+        ckpt = checkpoints.get(name)
+        backbones[name] = dict(backbone=name, checkpoint=ckpt, pretrained=args.pretrained and ckpt is None,
+                               model_kwargs=parse_model_args(args.model_arg))
+    features = {}
+    for filters, intensity, (bname, bkwargs) in itertools.product(args.filters, args.intensity, backbones.items()):
+        features[f"{filters}/{intensity}/{bname}"] = dict(filters=filters, intensity=intensity,
+                                                          n_components=args.components, device=args.device,
+                                                          **(bkwargs or {}))
+    classifiers = {c: (c, _classifier_params(args)) for c in args.classifier}
+    crfs = {c: (False if c == "off" else (c, {})) for c in (args.crf or ["off" if not DEFAULT_CRF else DEFAULT_CRF])}
+    rows = micrograph_benchmark(items, features, classifiers, crfs, protocols=args.protocol, seeds=args.seeds,
+                                dense_seeds=args.dense_seeds, progress=True)
+    if not rows:
+        raise ValueError(f"no run: protocol(s) {', '.join(args.protocol)} label none of the chosen images")
+    load = os.getloadavg()[0]
+    header = [f"# Segmentation benchmark on the labelled micrographs: dataset `{args.dataset}`", "",
+              f"{len(items)} image(s){f' (central {args.crop} px)' if args.crop else ''}, seeds "
+              f"{' '.join(map(str, args.seeds))}"
+              + (f" (dense: {' '.join(map(str, args.dense_seeds))})" if args.dense_seeds else "") + "; per image: label by the protocol, train on that image, segment it, "
+              f"score it against its ground truth. Load average at the end: {load:.1f} (scores do not depend on it).",
+              ""]
+    paths = write_tables(args.out, rows, header)
+    print(paths[-1].read_text())
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 

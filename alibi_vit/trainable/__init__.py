@@ -4,6 +4,8 @@
 - :class:`ViTFeatures`: backbone patch features, standardised, PCA-reduced, upsampled to pixels.
 - :class:`TrainableSegmenter`: fit on sparse labels (0 = unlabelled, 1..K), predict, save/load.
 - :func:`scribbles`, :func:`synthetic_micrograph`, :func:`scribble_benchmark`: the benchmark.
+- :func:`load_micrographs`: the labelled real micrographs shipped with the package;
+  :func:`~alibi_vit.trainable.micrograph_benchmark.micrograph_benchmark` scores configurations on them.
 - :func:`dense_crf`: optional clean-up of the probabilities.
 """
 
@@ -11,11 +13,12 @@ from ..synthetic import synthetic_dataset, synthetic_micrograph
 from .benchmark import mean_iou, scribble_benchmark
 from .classical import classical_feature_names, classical_features, membrane_kernels
 from .crf import dense_crf
+from .datasets import load_micrographs
 from .io import read_grayscale, read_labels, to_unit_float
 from .scribbles import scribbles
 from .segmenter import TrainableSegmenter
 from .vit import ViTFeatures, vit_patch_features
 
 __all__ = ["TrainableSegmenter", "ViTFeatures", "classical_feature_names", "classical_features", "dense_crf",
-           "mean_iou", "membrane_kernels", "read_grayscale", "read_labels", "scribble_benchmark", "scribbles",
-           "synthetic_dataset", "synthetic_micrograph", "to_unit_float", "vit_patch_features"]
+           "load_micrographs", "mean_iou", "membrane_kernels", "read_grayscale", "read_labels", "scribble_benchmark",
+           "scribbles", "synthetic_dataset", "synthetic_micrograph", "to_unit_float", "vit_patch_features"]

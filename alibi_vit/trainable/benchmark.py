@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from ..synthetic import brightest_phase, synthetic_micrograph
 from .io import as_label_image, overlay, to_unit_float
+from .classifier import DEFAULT_CLASSIFIER
 from .scribbles import scribbles
 from .segmenter import TrainableSegmenter
 
@@ -94,7 +95,7 @@ def compare_intensity(train_images, train_masks, test_images, test_masks, backbo
 
 
 def scribble_benchmark(train_images, train_masks, test_images, test_masks, backbones=None, *, rounds: int = 5,
-                       per_class: int = 1, seed: int = 0, classifier: str = "xgboost", segmenter_kwargs=None,
+                       per_class: int = 1, seed: int = 0, classifier: str = DEFAULT_CLASSIFIER, segmenter_kwargs=None,
                        progress: bool = False):
     """Run the benchmark; returns (rows, predictions, test masks as classes 1..K).
 

@@ -49,7 +49,7 @@ def _stroke(allowed: np.ndarray, depth: np.ndarray, rng, length: int, width: int
 
 
 def scribbles(mask, per_class: int = 1, rng=None, *, length: int | None = None, width: int = 3,
-              margin: int | None = None) -> np.ndarray:
+              margin: int | None = None, min_pixels: int = 0, max_strokes: int = 30) -> np.ndarray:
     """(H, W) int64 labels: ``per_class`` strokes of each class present in ``mask``, 0 elsewhere.
 
     mask: (H, W) ground truth, 0 = no class (never scribbled), 1..K = classes.
@@ -58,16 +58,19 @@ def scribbles(mask, per_class: int = 1, rng=None, *, length: int | None = None, 
     length: steps of the random walk, default half the image's shorter side (at least 10).
     width: brush width in px (default 3).
     margin: minimum distance in px from a stroke pixel to the class region's border, default
-        ``width + 2``. Where a class has no pixel that far inside, the largest distance it has is
-        used instead (down to the region itself), so every present class gets its strokes.
+        ``width + 2``. Where a class has no pixel that far inside (cracks, small precipitates),
+        strokes keep to its pixels at least half its largest distance inside (down to the region
+        itself), so every present class gets its strokes, along thin regions.
+    min_pixels: after its ``per_class`` strokes, a class with fewer labelled pixels than this gets
+        more strokes (at most ``max_strokes`` in all), as a person dots several small precipitates.
     Strokes start deep inside regions more often than near their borders (see ``_stroke``).
     Every labelled pixel equals ``mask`` there.
     """
     mask = np.asarray(mask)
     if mask.ndim != 2 or mask.dtype.kind not in "uib":
         raise ValueError(f"mask must be a 2D integer image, got shape {mask.shape} dtype {mask.dtype}")
-    if per_class < 0:
-        raise ValueError(f"per_class must be >= 0, got {per_class}")
+    if per_class < 0 or min_pixels < 0:
+        raise ValueError(f"per_class and min_pixels must be >= 0, got {per_class} and {min_pixels}")
     rng = np.random.default_rng(rng)
     length = max(10, min(mask.shape) // 2) if length is None else int(length)
     margin = width + 2 if margin is None else int(margin)
@@ -77,7 +80,9 @@ def scribbles(mask, per_class: int = 1, rng=None, *, length: int | None = None, 
             continue
         # Distance to the nearest pixel of another class (the image edge does not count as border).
         dist = ndi.distance_transform_edt(mask == cls)
-        allowed = dist > margin if dist.max() > margin else dist >= dist.max()
-        for _ in range(per_class):
+        allowed = dist > margin if dist.max() > margin else dist >= max(1.0, dist.max() / 2)
+        for n in range(max(per_class, max_strokes if min_pixels else 0)):
+            if n >= per_class and (labels == cls).sum() >= min_pixels:
+                break
             labels[_stroke(allowed, dist, rng, length, width)] = cls
     return labels

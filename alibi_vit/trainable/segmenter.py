@@ -30,9 +30,9 @@ import numpy as np
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from .classical import (DEFAULT_SIGMAS, SIGMA_SCALE, classical_feature_names, classical_features_chw,
-                        classical_features_torch, halo)
-from .classifier import CLASSIFIERS, balanced_weights, load_classifier, make_classifier
+from .classical import (classical_feature_names, classical_features_torch, classical_planes, filter_set, halo,
+                        pixel_major)
+from .classifier import CLASSIFIERS, DEFAULT_CLASSIFIER, fit_classifier, load_classifier
 from .crf import CRF_DEFAULTS, CRF_PRESETS, dense_crf_tiled
 from ..chunked import ChunkedImage, sample_tiles
 from ..images import INTENSITY_MODES, fit_intensity_range, scale_colour, scale_to_range
@@ -49,12 +49,15 @@ READABLE_FORMATS = (1, 2)
 # the others scale each image by itself (alibi_vit.images).
 INTENSITY = ("training",) + INTENSITY_MODES
 COLOUR = ("channels", "grey")
-# crf=True means this preset: "paper" edged "library" on the synthetic scribble benchmark (docs/method.md §7).
-DEFAULT_CRF_PRESET = "paper"
+# crf=True means this preset, the one chosen on the labelled micrograph set (docs/segmentation.md); it was "paper"
+# before, and models saved with a preset name keep theirs.
+DEFAULT_CRF_PRESET = "gentle"
+DEFAULT_CRF = False  # the CRF setting of a segmenter made without one
 CRF_OVERLAP = 128  # px of context on each side of a CRF tile
 CHANNEL_NAMES = ("r", "g", "b")
 PATCH_ALIGN = 14  # tile sizes are multiples of DINOv2's patch, so a tile's patch range is whole patches
 VIT_WINDOW_BYTES = 256 << 20  # without a cache: backbone windows kept for the neighbouring tiles of one call
+DEFAULT_FILTERS = "compact"  # chosen on the labelled micrograph set's training split (docs/segmentation.md)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -133,14 +136,17 @@ class TrainableSegmenter:
     backbone: None (classical features only), a model name for :func:`alibi_vit.create_backbone`
         (with ``checkpoint``/``pretrained``/``model_kwargs``), or an ``nn.Module`` that
         :func:`alibi_vit.patch_features` accepts.
-    classifier: "xgboost" (default) or "random_forest" (XGBoost's random-forest mode); extra
-        settings in ``classifier_params``. Classes are balanced by sample weights.
+    classifier: "random_forest" (default: XGBoost's random-forest mode) or "xgboost" (boosting); extra
+        settings in ``classifier_params`` (see :mod:`~alibi_vit.trainable.classifier`). Classes are
+        balanced by sample weights.
     crf: refine probabilities with a dense CRF, tiled like the features (``tile`` px cores, 128 px
         overlap; :func:`~alibi_vit.trainable.crf.dense_crf_tiled`): False (default), a preset name
-        ("paper": the paper notebook's sxy values; "library": the authors' backend library's
-        defaults; see :mod:`~alibi_vit.trainable.crf`), or True for "paper". ``crf_params``
-        overrides single values.
-    sigmas, sigma_scale: the classical filters' scales (see :mod:`~alibi_vit.trainable.classical`).
+        ("gentle": chosen on the labelled micrograph set, keeps thin phases; "paper": the paper
+        notebook's sxy values; "library": the authors' backend library's defaults; see
+        :mod:`~alibi_vit.trainable.crf`), or True for "gentle". ``crf_params`` overrides single values.
+    filters: the classical filter set, "compact" (default, 29 features) or "weka" (the paper's 63;
+        models saved before filter sets existed load as "weka"); see :mod:`~alibi_vit.trainable.classical`.
+    sigmas, sigma_scale: the classical filters' scales, by default the filter set's own.
     n_components: ViT PCA components (default 9). vit_tile, vit_overlap: ViT tiling in px.
     intensity: how images become [0, 1] floats. "training" (default): black and white points are the
         0.01/99.99th percentiles of the training images' pooled grey values, fitted by fit(), stored
@@ -164,8 +170,8 @@ class TrainableSegmenter:
         (H, W) or (H, W, 3)) and returning (H, W, F) features appended to the others. Saved by
         import path, never pickled; it runs on the whole image (not tiled).
     modal: post-processing of predict(): a majority filter of this odd window size (0: none).
-    classical_backend: "auto" (default: the torch filter bank on a CUDA ``device``, scipy otherwise;
-        torch on CPU is slower than scipy), "scipy" or "torch"
+    classical_backend: "auto" (default: the torch filter bank on a CUDA ``device``, OpenCV otherwise;
+        torch on CPU is slower), "cpu" (OpenCV; "scipy" is its former name) or "torch"
         (:func:`~alibi_vit.trainable.classical.classical_features_torch`, equal to float32 rounding).
         A runtime choice, not saved with the model.
     seed: seeds subsampling and the classifier. progress: show progress bars.
@@ -178,9 +184,10 @@ class TrainableSegmenter:
         the tile and the settings, so results are exactly those without it. Runtime only.
     """
 
-    def __init__(self, backbone=None, classifier: str = "xgboost", crf: bool | str = False, *, checkpoint=None,
+    def __init__(self, backbone=None, classifier: str = DEFAULT_CLASSIFIER, crf: bool | str = DEFAULT_CRF, *,
+                 checkpoint=None,
                  pretrained: bool = False, model_kwargs: dict | None = None, classifier_params: dict | None = None,
-                 crf_params: dict | None = None, sigmas=DEFAULT_SIGMAS, sigma_scale: float = SIGMA_SCALE,
+                 crf_params: dict | None = None, filters: str = DEFAULT_FILTERS, sigmas=None, sigma_scale=None,
                  n_components: int = 9, vit_tile: int = 518, vit_overlap: int = 56, intensity: str = "training",
                  tile: int = 1036, max_samples: int = 500_000, feature_dtype=np.float32, device=None, seed: int = 0,
                  progress: bool = False, colour: str = "channels", classical_backend: str = "auto",
@@ -189,8 +196,8 @@ class TrainableSegmenter:
             raise ValueError(f"classifier must be one of {CLASSIFIERS}, got {classifier!r}")
         if intensity not in INTENSITY:
             raise ValueError(f"unknown intensity mode {intensity!r}; choose one of {', '.join(INTENSITY)}")
-        if classical_backend not in ("auto", "scipy", "torch"):
-            raise ValueError(f"classical_backend must be auto, scipy or torch, got {classical_backend!r}")
+        if classical_backend not in ("auto", "cpu", "scipy", "torch"):
+            raise ValueError(f"classical_backend must be auto, cpu or torch, got {classical_backend!r}")
         self.feature_fn, self._feature_fn = resolve_feature_fn(feature_fn) if feature_fn is not None else (None, None)
         self.n_user_features = None  # set by fit()
         if modal and (modal < 0 or modal % 2 == 0):
@@ -212,7 +219,8 @@ class TrainableSegmenter:
         self.classifier_kind, self.crf = classifier, crf or False
         self.classifier_params = dict(classifier_params or {})
         self.crf_params = dict(crf_params or {})
-        self.sigmas, self.sigma_scale = tuple(float(s) for s in sigmas), float(sigma_scale)
+        fs = filter_set(filters, sigmas, sigma_scale)
+        self.filters, self.sigmas, self.sigma_scale = filters, fs.sigmas, fs.sigma_scale
         self.n_components, self.vit_tile, self.vit_overlap = int(n_components), int(vit_tile), int(vit_overlap)
         self.intensity, self.tile, self.max_samples = intensity, _round_up(int(tile), PATCH_ALIGN), int(max_samples)
         self.feature_dtype, self.seed, self.progress = np.dtype(feature_dtype), int(seed), progress
@@ -251,7 +259,7 @@ class TrainableSegmenter:
                 raise ValueError(f"backbone must be None, a model name or an nn.Module, got {type(backbone).__name__}")
             self.vit = ViTFeatures(model, self.n_components, tile=self.vit_tile, overlap=self.vit_overlap,
                                    device=self.device)
-        self.halo = halo(self.sigmas, self.sigma_scale)  # the filters' reach: tiles equal the whole image
+        self.halo = halo(self.sigmas, self.sigma_scale, self.filters)  # the filters' reach: tiles equal the whole image
         self.intensity_note = None  # how the training range was sampled, when chunked images were
         self._scratch = self._scratch_user = None  # state of one call (_call)
         self.classes_ = None
@@ -263,7 +271,7 @@ class TrainableSegmenter:
         return self._feature_names(self.channels_ or 1)
 
     def _feature_names(self, channels: int) -> list[str]:
-        names = classical_feature_names(self.sigmas)
+        names = classical_feature_names(self.sigmas, self.filters)
         if channels > 1:
             names = [f"{n}_{ch}" for ch in CHANNEL_NAMES[:channels] for n in names]
         if self.vit is not None:
@@ -392,20 +400,20 @@ class TrainableSegmenter:
         def compute():
             crop = src.read(*tile.outer)
             channels = [crop] if crop.ndim == 2 else [crop[..., c] for c in range(crop.shape[-1])]
-            if self.classical_torch:
-                device = self.device if str(self.device).startswith("cuda") else "cpu"
-                feats = [classical_features_torch(ch, self.sigmas, sigma_scale=self.sigma_scale, device=device)
-                         for ch in channels]
-            else:
-                feats = [classical_features_chw(ch, self.sigmas, sigma_scale=self.sigma_scale, intensity=None)
-                         for ch in channels]
-            core = (np.concatenate(feats) if len(feats) > 1 else feats[0])[(slice(None),) + inner]
-            return np.ascontiguousarray(np.moveaxis(core, 0, -1))
+            kwargs = dict(sigma_scale=self.sigma_scale, filters=self.filters)
+            planes = []
+            for ch in channels:
+                if self.classical_torch:
+                    device = self.device if str(self.device).startswith("cuda") else "cpu"
+                    planes += list(classical_features_torch(ch, self.sigmas, device=device, **kwargs))
+                else:
+                    planes += classical_planes(np.ascontiguousarray(ch), self.sigmas, **kwargs)
+            return pixel_major(planes, *inner)
 
         if self.cache is None:  # the scratch cache holds ViT windows only: a tile's features are used once
             return compute()
         bounds = [(s.start, s.stop) for s in tile.outer + tile.core]
-        key = f"classical|{src.key}|{self.sigmas}|{self.sigma_scale}|{self.classical_torch}|{bounds}"
+        key = f"classical|{src.key}|{self.filters}|{self.sigmas}|{self.sigma_scale}|{self.classical_torch}|{bounds}"
         return self.cache.get(key, compute)
 
     def _patch_map(self, src, rows: slice, cols: slice) -> np.ndarray:
@@ -557,8 +565,7 @@ class TrainableSegmenter:
             if self.vit is not None:
                 self._fit_pca(sources, labelled)
             X, Y = self._gather(sources, labels, labelled, classes, totals)
-        self.model_ = make_classifier(self.classifier_kind, seed=self.seed, **self.classifier_params)
-        self.model_.fit(X, Y, sample_weight=balanced_weights(Y))
+        self.model_ = fit_classifier(self.classifier_kind, X, Y, self.seed, self.classifier_params)
         return self
 
     def _labelled_tiles(self, sources, labels) -> list:
@@ -690,7 +697,7 @@ class TrainableSegmenter:
     def config(self) -> dict:
         return {"format": FORMAT_VERSION, "classes": [int(c) for c in self.classes_],
                 "classifier": self.classifier_kind, "classifier_params": self.classifier_params,
-                "crf": self.crf, "crf_params": self.crf_params, "sigmas": list(self.sigmas),
+                "crf": self.crf, "crf_params": self.crf_params, "filters": self.filters, "sigmas": list(self.sigmas),
                 "sigma_scale": self.sigma_scale, "n_components": self.n_components, "vit_tile": self.vit_tile,
                 "vit_overlap": self.vit_overlap, "intensity": self.intensity,
                 "intensity_range": None if self.intensity_range is None else list(self.intensity_range),
@@ -756,7 +763,8 @@ class TrainableSegmenter:
             kwargs = dict(checkpoint=ckpt, pretrained=spec["pretrained"], model_kwargs=spec["model_kwargs"])
         crf = "library" if cfg["crf"] is True else cfg["crf"]  # format 1 stored True: the library's values
         seg = cls(model, cfg["classifier"], crf, classifier_params=cfg["classifier_params"],
-                  crf_params=cfg["crf_params"], sigmas=cfg["sigmas"], sigma_scale=cfg["sigma_scale"],
+                  crf_params=cfg["crf_params"], filters=cfg.get("filters", "weka"), sigmas=cfg["sigmas"],
+                  sigma_scale=cfg["sigma_scale"],
                   n_components=cfg["n_components"], vit_tile=cfg["vit_tile"], vit_overlap=cfg["vit_overlap"],
                   intensity=cfg["intensity"], tile=cfg["tile"], max_samples=cfg["max_samples"],
                   feature_dtype=cfg["feature_dtype"], device=device, seed=cfg["seed"], progress=progress,
