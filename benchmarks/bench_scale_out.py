@@ -11,7 +11,8 @@ mosaic larger than a worker's memory limit.
 make: 200 16-bit TIFFs of 1024² (10 generated 3-phase micrographs, alibi_vit.synthetic, each in 20
 distinct orientations and shifts, so no two files are alike), a 16384² OME-Zarr mosaic (512² chunks,
 a 2048² micrograph mirrored out, as benchmarks/bench_bigimage.py makes it) and a model trained on one
-1024² image with three scribbles per class (classical features, XGBoost defaults).
+1024² image with three scribbles per class (the defaults: classical features of the compact set, random
+forest, no CRF).
 
 batch / mosaic: `alibi-vit segment apply` (mask + overlay) as a subprocess: its wall time, the CPU time
 of it and its worker processes (user + system, from the kernel's accounting of every process in its
@@ -138,7 +139,7 @@ def report(folder: Path, stem: str = "scale_out_cpu") -> None:
     batch = [r for r in runs if r["images"] == "images"]
     mosaic = [r for r in runs if r["images"] == "mosaic"]
     lines = [f"# `segment apply` beyond one process ({machine})", "",
-             "`python benchmarks/bench_scale_out.py`; classical features, XGBoost, mask + overlay. Wall time: the "
+             "`python benchmarks/bench_scale_out.py`; the default model (classical features of the compact set, random forest, no CRF), mask + overlay. Wall time: the "
              "whole command (start-up, cluster start and stop included). CPU s: the command and its worker "
              "processes (user + system). Load: the 1-minute load average before → after (other jobs share the "
              "machine, so wall times vary with it; per-CPU-second rates much less).", ""]
