@@ -122,6 +122,7 @@ def run_apply(folder: Path, images: Path, out: Path, scheduler: str, extra=()) -
     workers = [v for pid, v in rss.items() if pid != proc.pid]
     row = {"images": str(images.name), "scheduler": scheduler, "extra": list(extra), "wall_seconds": round(wall, 1),
            "cpu_seconds": round(sum(sampler.cpu.values()), 1),
+           "driver_cpu_seconds": round(sampler.cpu.get(proc.pid, 0.0), 1),  # the rest: its workers (and nannies)
            "driver_peak_rss_gb": round(rss.get(proc.pid, 0) / 2**30, 3),
            "worker_peak_rss_gb": sorted(round(v / 2**30, 3) for v in workers if v > 200 * 2**20),
            "load_before": load_before, "load_after": _load(), "summary": stdout.strip().splitlines()[-1]}
