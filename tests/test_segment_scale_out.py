@@ -196,6 +196,27 @@ def test_an_interrupted_run_resumed_redoes_only_what_is_missing_or_changed(data,
     assert _outputs(out) == _outputs_of(reference)
 
 
+def _worker_threads():
+    import cv2
+
+    from alibi_vit.trainable import batch
+
+    return bool(batch._MODELS), os.environ.get("OMP_NUM_THREADS"), cv2.getNumThreads()
+
+
+def test_workers_run_opencv_on_the_threads_dask_gives_them(data, cluster, tmp_path):
+    """Dask sets OMP_NUM_THREADS=1 in its workers; OpenCV, which would start a thread per core, follows it."""
+    from distributed import Client
+
+    root, _ = data
+    assert _apply(root / "model", root / "in", tmp_path / "out", "--scheduler", cluster) == 1
+    with Client(cluster) as client:
+        seen = list(client.run(_worker_threads).values())
+    assert os.cpu_count() > 1  # else OpenCV's default would be one thread too
+    loaded = [(env, threads) for has_model, env, threads in seen if has_model]
+    assert loaded and all(env == "1" and threads == 1 for env, threads in loaded)
+
+
 def test_three_shares_merged_equal_one_run(data, cluster, tmp_path, capsys, monkeypatch):
     root, reference = data
     out = tmp_path / "out"

@@ -23,6 +23,7 @@ and listed too. A failed write (a full disk) stops the run: no later image could
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
@@ -68,6 +69,8 @@ def resolve_model(model):
     if seg is None:
         from .segmenter import TrainableSegmenter
 
+        _threads_as_the_worker_says()
+
         with tempfile.TemporaryDirectory(prefix="alibi-vit-model-") as folder:
             for name, data in model.files.items():
                 (Path(folder) / name).parent.mkdir(parents=True, exist_ok=True)
@@ -77,6 +80,17 @@ def resolve_model(model):
         _MODELS.clear()  # one model per worker at a time
         _MODELS[key] = seg
     return seg
+
+
+def _threads_as_the_worker_says() -> None:
+    """Size OpenCV's thread pool by ``OMP_NUM_THREADS``, as XGBoost and PyTorch are. Dask sets it to 1 in
+    its worker processes so that N single-threaded workers use N cores; OpenCV would otherwise start a
+    thread per core in every worker (16 workers on a 16-core node: 256 threads fighting for 16 cores)."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import cv2
+
+        cv2.setNumThreads(int(threads))
 
 
 @dataclass(frozen=True)
