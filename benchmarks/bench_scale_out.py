@@ -158,7 +158,8 @@ def report(folder: Path, stem: str = "scale_out_cpu") -> None:
             driver = r.get("driver_cpu_seconds")
             workers = (r["cpu_seconds"] - driver if r["scheduler"] != "threads" else r["cpu_seconds"]) \
                 if driver is not None or r["scheduler"] == "threads" else None
-            lines.append(f"| {r['scheduler']} | {r['wall_seconds']} | {n / r['wall_seconds']:.2f} | {r['cpu_seconds']} | "
+            lines.append(f"| {r['scheduler']}{' †' if r.get('note') else ''} | {r['wall_seconds']} | "
+                         f"{n / r['wall_seconds']:.2f} | {r['cpu_seconds']} | "
                          f"{n / r['cpu_seconds']:.3f} | {f'{workers:.1f}' if workers else 'not recorded'} | "
                          f"{f'{n / workers:.3f}' if workers else '–'} | {r['driver_peak_rss_gb']:.2f} / "
                          f"{', '.join(f'{v:.2f}' for v in r['worker_peak_rss_gb']) or '–'} | "
@@ -170,10 +171,13 @@ def report(folder: Path, stem: str = "scale_out_cpu") -> None:
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in mosaic:
             mp = MOSAIC * MOSAIC / 1e6
-            lines.append(f"| {r['scheduler']} | {' '.join(r['extra'])} | {r['wall_seconds']} | "
+            lines.append(f"| {r['scheduler']}{' †' if r.get('note') else ''} | {' '.join(r['extra'])} | {r['wall_seconds']} | "
                          f"{mp / r['wall_seconds']:.3f} | {r['cpu_seconds']} | {mp / r['cpu_seconds']:.3f} | "
                          f"{r['driver_peak_rss_gb']:.2f} / {', '.join(f'{v:.2f}' for v in r['worker_peak_rss_gb'])} | "
                          f"{r['load_before']} → {r['load_after']} | {r['summary'].split(' into ')[0]} |")
+    notes = sorted({r["note"] for r in runs if r.get("note")})
+    if notes:
+        lines += ["", "† " + "; ".join(notes) + "."]
     payload = {"machine": machine, "environment": environment(), "runs": runs,
                "command": "python benchmarks/bench_scale_out.py make|batch|mosaic|report --folder DIR"}
     for path in write_report(None, stem, payload, lines):
