@@ -467,7 +467,7 @@ def _apply(args) -> int:
             outcome = run_jobs(executor, model, jobs, folder)
     key = write_colour_key(args.out / ".colour_key.part.png", seg.classes_, k)  # complete or absent: shares
     os.replace(key, args.out / "colour_key.png")  # write it at the same time
-    failed = [p.name for p, _ in unreadable] + [name for name, _ in outcome.failed]
+    failed = sorted([p.name for p, _ in unreadable] + [name for name, _ in outcome.failed])  # not in completion order
     kept = f"; {outcome.kept} kept from an earlier run (--resume)" if args.resume else ""
     print(f"segmented {outcome.written} of {len(files)} image(s) into {args.out}{kept} "
           f"(area fractions per class in {folder.csv_path})")
