@@ -19,6 +19,13 @@ axis (time points, z slices) index *planes*: :attr:`ChunkedImage.planes` of them
 An axis order that cannot be told apart, or more than one channel axis, is an
 :class:`~alibi_vit.images.ImageReadError` naming the axes found.
 
+Volumes (X-ray CT, FIB-SEM, confocal stacks) are images with one plane axis, z: a multi-page TIFF
+(every page a slice), a zarr/OME-Zarr with a z axis, or a folder of numbered slice files
+(:func:`open_slice_folder`). :meth:`ChunkedImage.read_box` reads a (z, y, x) box of them,
+:attr:`ChunkedImage.spacing` is the voxel spacing their metadata give (OME-TIFF ``PhysicalSize``,
+ImageJ's ``spacing`` and resolution tags, OME-Zarr ``scale`` transforms), and
+:func:`check_tiff_pages` refuses a stack whose pages differ in size or dtype, naming the first.
+
 :func:`sample_tiles` draws a seeded random sample of whole tiles (not the whole image): the
 intensity statistics of images too large to read are taken on it.
 """
@@ -33,7 +40,8 @@ import numpy as np
 
 from .images import ImageReadError
 
-__all__ = ["ChunkedImage", "TIFF_SUFFIXES", "ZARR_SUFFIXES", "is_zarr_path", "open_image", "sample_tiles"]
+__all__ = ["ChunkedImage", "TIFF_SUFFIXES", "ZARR_SUFFIXES", "check_tiff_pages", "is_zarr_path", "open_image",
+           "open_slice_folder", "open_volume", "sample_tiles"]
 
 TIFF_SUFFIXES = (".tif", ".tiff", ".btf", ".tf8")
 ZARR_SUFFIXES = (".zarr",)
@@ -83,6 +91,7 @@ class ChunkedImage:
     levels: list
     key: str
     chunks: tuple[int, int]
+    spacing: tuple[float, float, float] | None = None  # (z, y, x) voxel spacing from the metadata, if any
 
     def __post_init__(self):
         shape = self.levels[0].shape
@@ -107,6 +116,35 @@ class ChunkedImage:
     @property
     def dtype(self) -> np.dtype:
         return np.dtype(self.levels[0].dtype)
+
+    @property
+    def is_volume(self) -> bool:
+        """Whether this is a volume: several planes along one z axis (not time points)."""
+        return self.plane_axes == "z" and self.planes > 1
+
+    @property
+    def volume_shape(self) -> tuple[int, int, int]:
+        """(slices, rows, columns)."""
+        return (self.planes,) + self.shape
+
+    def read_box(self, zs: slice, rows: slice, cols: slice) -> np.ndarray:
+        """A (z, y, x) box of a one-channel volume's voxels as stored (a 2D image is one slice)."""
+        if self.channels != 1 or self.plane_axes not in ("", "z"):
+            raise ImageReadError(f"{self.name}: axes {self.axes} are not a one-channel (z, y, x) volume")
+        index = []
+        for a in self.axes:
+            index.append({"z": zs, "y": rows, "x": cols}.get(a, 0))
+        try:
+            box = np.asarray(self.levels[0][tuple(index)])
+        except Exception as err:  # codecs and stores raise many types for a damaged chunk
+            raise ImageReadError(f"{self.name}: cannot read slices {_span(zs)}, rows {_span(rows)}, columns "
+                                 f"{_span(cols)} ({type(err).__name__}: {err})") from err
+        kept = [a for a in self.axes if a in "zyx"]
+        if "z" not in kept:
+            box = box[None]
+            kept = ["z"] + kept
+        order = [kept.index(a) for a in "zyx"]
+        return np.transpose(box, order) if order != [0, 1, 2] else box
 
     def level_shape(self, level: int) -> tuple[int, int]:
         sizes = dict(zip(self.axes, self.levels[level].shape))
@@ -174,6 +212,55 @@ def _chunks_yx(array, axes: str) -> tuple[int, int]:
     return int(sizes["y"]), int(sizes["x"])
 
 
+def check_tiff_pages(tif, name: str) -> None:
+    """An :class:`~alibi_vit.images.ImageReadError` naming the first page of a multi-page TIFF whose
+    size or dtype differs from the first page's (a stack's slices must share both)."""
+    pages = tif.pages
+    if len(pages) < 2:
+        return
+    first = pages[0]
+    want = (tuple(first.shape), first.dtype)
+    for i in range(1, len(pages)):
+        page = pages[i]
+        if (tuple(page.shape), page.dtype) != want:
+            raise ImageReadError(f"{name}: page {i} is {_describe(page.shape, page.dtype)} but page 0 is "
+                                 f"{_describe(*want)}: the pages of a stack must share one size and dtype")
+
+
+def _describe(shape, dtype) -> str:
+    return "×".join(str(int(n)) for n in shape) + f" {np.dtype(dtype).name}"
+
+
+def _resolution(page, tag: str):
+    value = page.tags.get(tag)
+    if value is None:
+        return None
+    num, den = value.value
+    return den / num if num and den else None
+
+
+def _tiff_spacing(tif) -> tuple[float, float, float] | None:
+    """(z, y, x) voxel spacing from OME-XML PhysicalSize*, or ImageJ's spacing and resolution tags."""
+    if tif.is_ome and tif.ome_metadata:
+        import xml.etree.ElementTree as ET
+
+        try:
+            root = ET.fromstring(tif.ome_metadata)
+        except ET.ParseError:
+            root = None
+        pixels = next((e for e in root.iter() if e.tag.endswith("Pixels")), None) if root is not None else None
+        if pixels is not None:
+            sizes = [pixels.get(f"PhysicalSize{a}") for a in "ZYX"]
+            if sizes[0] is not None:
+                return tuple(float(v) if v is not None else 1.0 for v in sizes)
+    meta = tif.imagej_metadata or {}
+    if tif.is_imagej and "spacing" in meta:
+        page = tif.pages[0]
+        y, x = _resolution(page, "YResolution"), _resolution(page, "XResolution")
+        return float(meta["spacing"]), float(y or x or 1.0), float(x or y or 1.0)
+    return None
+
+
 def _open_tiff(path: Path, name: str) -> ChunkedImage:
     import tifffile
     import zarr
@@ -193,11 +280,12 @@ def _open_tiff(path: Path, name: str) -> ChunkedImage:
             else:
                 levels = [zarr.open_array(series.aszarr(level=i), mode="r") for i in range(len(series.levels))]
                 chunks = _chunks_yx(levels[0], axes)
+            spacing = _tiff_spacing(tif) if "z" in axes else None
     except ImageReadError:
         raise
     except Exception as err:  # tifffile raises many types for damaged files
         raise ImageReadError(f"{name}: cannot read image ({type(err).__name__}: {err})") from err
-    return ChunkedImage(name, axes, levels, _file_key(path, 0), chunks)
+    return ChunkedImage(name, axes, levels, _file_key(path, 0), chunks, spacing)
 
 
 def _ngff_multiscales(attrs) -> list | None:
@@ -273,7 +361,21 @@ def _open_zarr(source, name: str) -> ChunkedImage:
     except (KeyError, TypeError) as err:
         raise ImageReadError(f"{name}: its OME-Zarr multiscales metadata names a missing dataset ({err})") from err
     axes = _ngff_axes(name, ms["axes"]) if "axes" in ms else _array_axes(name, levels[0])
-    return ChunkedImage(name, axes, levels, key, _chunks_yx(levels[0], axes))
+    return ChunkedImage(name, axes, levels, key, _chunks_yx(levels[0], axes), _ngff_spacing(ms, axes))
+
+
+def _ngff_spacing(ms: dict, axes: str) -> tuple[float, float, float] | None:
+    """(z, y, x) spacing of level 0: its ``scale`` transform times the multiscale's own, if any."""
+    if "z" not in axes:
+        return None
+    scale = np.ones(len(axes))
+    for transforms in (ms["datasets"][0].get("coordinateTransformations", []), ms.get("coordinateTransformations", [])):
+        for t in transforms or []:
+            if t.get("type") == "scale" and len(t.get("scale", [])) == len(axes):
+                scale *= np.asarray(t["scale"], float)
+    if np.allclose(scale, 1.0):
+        return None
+    return tuple(float(scale[axes.index(a)]) for a in "zyx")
 
 
 def open_image(source) -> ChunkedImage:
@@ -294,10 +396,125 @@ def open_image(source) -> ChunkedImage:
     raise ImageReadError(f"{path}: not a TIFF or zarr image; PNG and JPEG files are read whole")
 
 
-def sample_tiles(image: ChunkedImage, max_pixels: int = 1 << 20, seed: int = 0, plane: int = 0,
+def open_volume(source) -> ChunkedImage:
+    """A volume (:attr:`ChunkedImage.is_volume`): a multi-page TIFF whose pages share one size and
+    dtype (:func:`check_tiff_pages`), a zarr/OME-Zarr with a z axis, a folder of numbered slices
+    (:func:`open_slice_folder`), or a zarr array already opened. Anything else is an
+    :class:`~alibi_vit.images.ImageReadError` naming what it is."""
+    path = None if not isinstance(source, (str, os.PathLike)) else Path(source)
+    if path is not None and path.is_dir() and not is_zarr_path(path):
+        return open_slice_folder(path)
+    if path is not None and path.is_file() and path.suffix.lower() in TIFF_SUFFIXES:
+        import tifffile
+
+        try:
+            with tifffile.TiffFile(path) as tif:
+                if not tif.is_ome:  # an OME-TIFF's pages are described by its XML
+                    check_tiff_pages(tif, str(path))
+        except ImageReadError:
+            raise
+        except Exception as err:  # tifffile raises many types for damaged files
+            raise ImageReadError(f"{path}: cannot read image ({type(err).__name__}: {err})") from err
+    image = open_image(source)
+    if not image.is_volume:
+        what = "one 2D image" if image.planes == 1 else f"{image.planes} planes along axes {image.plane_axes}"
+        raise ImageReadError(f"{image.name} is {what} (axes {image.axes}), not a volume of z slices")
+    if image.channels != 1:
+        raise ImageReadError(f"{image.name} has {image.channels} channels (axes {image.axes}): volumes are segmented "
+                             "in grey; store one channel")
+    return image
+
+
+SLICE_SUFFIXES = (".tif", ".tiff", ".png", ".bmp")
+_PIL_DTYPES = {"1": "bool", "L": "uint8", "P": "uint8", "I;16": "uint16", "I;16B": "uint16", "I": "int32",
+               "F": "float32"}
+
+
+def _slice_number(path: Path):
+    """Sort key of a slice file: the last number in its name (``img_0012.tif`` → 12), then the name."""
+    import re
+
+    numbers = re.findall(r"\d+", path.stem)
+    return (int(numbers[-1]) if numbers else -1, path.name)
+
+
+def _slice_header(path: Path) -> tuple[tuple[int, ...], str]:
+    """(shape, dtype name) of one slice file, from its header only."""
+    if path.suffix.lower() in (".tif", ".tiff"):
+        import tifffile
+
+        with tifffile.TiffFile(path) as tif:
+            if len(tif.pages) != 1:
+                raise ImageReadError(f"{path}: a slice file must hold one page, it holds {len(tif.pages)}")
+            return tuple(tif.pages[0].shape), tif.pages[0].dtype.name
+    from PIL import Image
+
+    with Image.open(path) as img:
+        if img.mode not in _PIL_DTYPES:
+            raise ImageReadError(f"{path}: a {img.mode} image; the slices of a volume must be grey")
+        return (img.height, img.width), _PIL_DTYPES[img.mode]
+
+
+class _SliceFolderArray:
+    """(z, y, x) voxels of numbered slice files, read a slice at a time (the last few kept)."""
+
+    KEEP = 32  # decoded slices kept: the boxes of one row of tiles read the same slices again
+
+    def __init__(self, files: list[Path], shape, dtype):
+        self.files, self.shape, self.dtype = files, (len(files),) + tuple(shape), np.dtype(dtype)
+        self.ndim = 3
+        self.chunks = (1,) + tuple(shape)
+        self._kept: dict[int, np.ndarray] = {}
+
+    def _slice(self, z: int) -> np.ndarray:
+        if z not in self._kept:
+            from .images import read_array
+
+            if len(self._kept) >= self.KEEP:
+                self._kept.pop(next(iter(self._kept)))
+            self._kept[z] = np.asarray(read_array(self.files[z]))
+        return self._kept[z]
+
+    def __getitem__(self, index):
+        zs, rows, cols = index
+        if isinstance(zs, (int, np.integer)):
+            return self._slice(int(zs))[rows, cols]
+        return np.stack([self._slice(z)[rows, cols] for z in range(*zs.indices(self.shape[0]))])
+
+
+def open_slice_folder(folder) -> ChunkedImage:
+    """A volume from a folder of numbered slice files (TIFF, PNG, BMP; sorted by the last number in
+    their names), read lazily. Slices that differ in size or dtype are an
+    :class:`~alibi_vit.images.ImageReadError` naming the first that differs."""
+    folder = Path(folder)
+    files = sorted((p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in SLICE_SUFFIXES),
+                   key=_slice_number)
+    if len(files) < 2:
+        raise ImageReadError(f"{folder}: a folder of slices needs at least two image files "
+                             f"({', '.join(SLICE_SUFFIXES)}), it has {len(files)}")
+    try:
+        headers = [_slice_header(p) for p in files]
+    except ImageReadError:
+        raise
+    except Exception as err:  # tifffile and PIL raise many types for damaged files
+        raise ImageReadError(f"{folder}: cannot read a slice's header ({type(err).__name__}: {err})") from err
+    (shape, dtype), first = headers[0], files[0].name
+    if len(shape) != 2:
+        raise ImageReadError(f"{folder / first}: a slice of shape {shape}; the slices of a volume must be grey")
+    for path, (other, kind) in zip(files[1:], headers[1:]):
+        if (other, kind) != (shape, dtype):
+            raise ImageReadError(f"{folder}: slice {path.name} is {_describe(other, kind)} but {first} is "
+                                 f"{_describe(shape, dtype)}: the slices of a volume must share one size and dtype")
+    stamp = max(p.stat().st_mtime_ns for p in files)
+    key = f"{folder.resolve()}|slices {len(files)}|{stamp}"
+    return ChunkedImage(str(folder), "zyx", [_SliceFolderArray(files, shape, dtype)], key, tuple(shape))
+
+
+def sample_tiles(image: ChunkedImage, max_pixels: int = 1 << 20, seed: int = 0, plane: int | None = 0,
                  tile: int | None = None):
-    """(pixels, tiles read, tiles in all): a seeded random sample of whole tiles of one plane, read
-    until at least ``max_pixels`` pixels are in hand (all tiles when the image is smaller).
+    """(pixels, tiles read, tiles in all): a seeded random sample of whole tiles of one plane (of
+    every plane with ``plane=None``), read until at least ``max_pixels`` pixels are in hand (all
+    tiles when the image is smaller).
 
     ``pixels`` is (1, N) as stored, or (1, N, C) for several channels: an image one row high, so
     the statistics functions of :mod:`alibi_vit.images` take it as they are. Tiles are the storage
@@ -305,12 +522,13 @@ def sample_tiles(image: ChunkedImage, max_pixels: int = 1 << 20, seed: int = 0, 
     ch, cw = image.chunks
     if tile is None and not (64 <= min(ch, cw) and max(ch, cw) <= 2048):
         tile = _SAMPLE_TILE
-    tiles = list(image.tiles(tile))
+    planes = range(image.planes) if plane is None else [plane]
+    tiles = [(p, rows, cols) for p in planes for rows, cols in image.tiles(tile)]
     order = np.random.default_rng(seed).permutation(len(tiles))
     parts, count = [], 0
     for i in order:
-        rows, cols = tiles[i]
-        region = image.read(rows, cols, plane)
+        p, rows, cols = tiles[i]
+        region = image.read(rows, cols, p)
         parts.append(region.reshape((1, -1) + region.shape[2:]))
         count += region.shape[0] * region.shape[1]
         if count >= max_pixels:

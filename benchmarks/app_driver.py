@@ -144,9 +144,10 @@ def wait_timing(page, event: str, image: str | None, count: int, timeout_ms: flo
 
 
 def to_screen(page, x: float, y: float) -> tuple[float, float]:
-    """Image pixel (column x, row y) → page coordinates of its centre, from the image layer's box."""
+    """Image pixel (column x, row y) → page coordinates of its centre, from the image layer's box
+    (the image at its full size, zoomed and panned by the view)."""
     box = page.locator("#image-layer").bounding_box()
-    w, h = page.evaluate("() => [document.getElementById('image-layer').width, document.getElementById('image-layer').height]")
+    w, h = page.evaluate("() => [window.app.imageWidth, window.app.imageHeight]")
     return box["x"] + (x + 0.5) * box["width"] / w, box["y"] + (y + 0.5) * box["height"] / h
 
 

@@ -34,6 +34,8 @@ forward+backward also computes dL/dslope). Bias-free backends run once per size 
 Backends: ``triton`` (fused kernel, difference-table bias, the backward kernels.alibi_triton
 picks by default), ``triton-atomic-dq`` and ``triton-two-kernel`` (the same forced to the atomic-dQ
 or to the deterministic two-kernel backward), ``triton-sqrt`` (fused kernel, per-element sqrt),
+``triton-sqrt-bwd`` and ``triton-table-bwd`` (difference-table forward; the backward forced to the
+per-element sqrt or to the table gather, whatever the default picks),
 ``triton-nobias`` (the same fused kernels with the bias compiled out: the like-for-like ceiling),
 ``flex`` (FlexAttention with the sqrt score_mod) and ``flex-table`` (with the difference-table
 gather score_mod), both compiled with ``mode="max-autotune-no-cudagraphs"`` so they are tuned like
@@ -77,7 +79,8 @@ SIZES = (224, 518, 1022, 2072)
 SDPA_PINNED = {"sdpa-nobias-flash": "FLASH_ATTENTION", "sdpa-nobias-cudnn": "CUDNN_ATTENTION",
                "sdpa-nobias-efficient": "EFFICIENT_ATTENTION", "sdpa-bias-cudnn": "CUDNN_ATTENTION",
                "sdpa-bias-efficient": "EFFICIENT_ATTENTION"}
-TRITON_VARIANTS = ("triton", "triton-atomic-dq", "triton-two-kernel", "triton-sqrt", "triton-nobias")
+TRITON_VARIANTS = ("triton", "triton-atomic-dq", "triton-two-kernel", "triton-sqrt", "triton-sqrt-bwd", "triton-table-bwd",
+                   "triton-nobias")
 FLEX_VARIANTS = ("flex", "flex-table", "flex-flash", "flex-nobias")
 BACKENDS = (*TRITON_VARIANTS, *FLEX_VARIANTS, "sdpa-bias", "sdpa-nobias", *SDPA_PINNED, "eager")
 NOBIAS = ("triton-nobias", "flex-nobias", "sdpa-nobias", "sdpa-nobias-flash", "sdpa-nobias-cudnn",
@@ -208,15 +211,17 @@ def backend_fns(names, grid, compile_flex=True):
 def backend_context(name):
     """The context a backend's calls (backward included) run in: atomic dQ on for ``triton-atomic-dq``, off for
     ``triton-two-kernel``, the default choice for the other triton variants, the bias compiled out for
-    ``triton-nobias``, nothing for the rest."""
+    ``triton-nobias``, the backward's bias mode for ``triton-sqrt-bwd``/``triton-table-bwd``, nothing for the rest."""
     if name not in TRITON_VARIANTS:
         return contextlib.nullcontext()
-    from kernels.alibi_triton import atomic_dq, bias_compiled_out
+    from kernels.alibi_triton import atomic_dq, backward_bias, bias_compiled_out
 
     stack = contextlib.ExitStack()
     stack.enter_context(atomic_dq({"triton-atomic-dq": True, "triton-two-kernel": False}.get(name)))
     if name == "triton-nobias":
         stack.enter_context(bias_compiled_out())
+    if name in ("triton-sqrt-bwd", "triton-table-bwd"):
+        stack.enter_context(backward_bias(name.split("-")[1]))
     return stack
 
 
@@ -342,7 +347,8 @@ def run(args, progress=lambda rows: None):
                     learned = slope_kind == "learned"
                     entries, first = [], len(rows)
                     for name, fn in fns.items():
-                        if ((mode == "fwd" and name in ("triton-atomic-dq", "triton-two-kernel"))
+                        if ((mode == "fwd" and name in ("triton-atomic-dq", "triton-two-kernel", "triton-sqrt-bwd",
+                                                              "triton-table-bwd"))
                                 or (name in NOBIAS and slope_kind != "constant")):
                             continue  # their forward is triton's; bias-free backends ignore slopes
                         row = dict(model=model, heads=heads, image_px=px, grid=list(grid), N=n, batch=bsz, mode=mode,
@@ -444,7 +450,8 @@ def ratios(rows):
     for model, px, mode, slopes in groups:
         def get(backend, _s=slopes):
             return keyed.get((model, px, mode, None if backend in NOBIAS else _s, backend))
-        for variant in ("triton", "triton-atomic-dq", "triton-two-kernel", "triton-sqrt"):
+        for variant in ("triton", "triton-atomic-dq", "triton-two-kernel", "triton-sqrt", "triton-sqrt-bwd",
+                        "triton-table-bwd"):
             t = get(variant)
             if t is None:
                 continue

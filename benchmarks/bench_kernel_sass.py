@@ -53,11 +53,14 @@ dK/dV + dQ kernels), which backward ``kernels.alibi_triton.atomic_dq_default`` p
 forward <= 1.25x, backward <= 1.35x (both forms), no C7515, no spills, at least 8 registers under 255
 in every default ALiBi kernel. A run that misses a goal, or meets a C7515, writes its results and exits
 with status 1. A run never replaces a results file that covers more than it would (more head dims,
-dtypes, slope kinds, kernels or configs): give it another ``--out-dir`` then. The results files are
-rewritten after every head_dim and dtype, marked incomplete until the run ends.
+dtypes, slope kinds, kernels or configs): give it another ``--out-dir`` then, and ``--merge-from`` puts
+its rows in place of the same cells of the full file (which notes what was merged, by which command and
+when). The results files are rewritten after every head_dim and dtype, marked incomplete until the run ends.
 
     python benchmarks/bench_kernel_sass.py                   # d=64 and 128, bf16 and fp16, all configs
     python benchmarks/bench_kernel_sass.py --head-dims 64 --dtypes bfloat16 --default-only --slopes constant
+    python benchmarks/bench_kernel_sass.py --slopes learned --kernels bwd_dkdv --out-dir /tmp/sass   # after a change
+    python benchmarks/bench_kernel_sass.py --merge-from /tmp/sass/kernel_sass_sm90_triton3.8.json
 """
 
 from __future__ import annotations
@@ -119,6 +122,10 @@ def parse_args(argv=None):
     p.add_argument("--rerender", action="store_true",
                    help="compile nothing: rewrite the Markdown of this Triton's results file in --out-dir from its JSON, "
                         "with the other Triton's file as the second column (after that file changed)")
+    p.add_argument("--merge-from", type=Path, default=None, metavar="JSON",
+                   help="compile nothing: put the rows of JSON (a smaller run of the same Triton, e.g. one kernel "
+                        "after a change to it) in place of the same cells of this Triton's results file in --out-dir, "
+                        "keeping its other rows, and recompute the summary")
     p.add_argument("--smoke", action="store_true", help="not a measurement: write under benchmarks/results/smoke/")
     args = p.parse_args(argv)
     if args.jobs < 1:
@@ -408,12 +415,17 @@ def _label(r):
     return f"{r['kernel']}{' (atomic dQ)' if r['atomic_dq'] else ''}"
 
 
+def _cell(r) -> tuple:
+    """The (head_dim, dtype, slopes, kernel, atomic dQ) a row measures, over all its launch configs."""
+    return r["head_dim"], r["dtype"], r.get("slopes", "constant"), r["kernel"], bool(r.get("atomic_dq", False))
+
+
 def coverage(rows_or_plan) -> set:
     """What a run covers: (head_dim, dtype, slopes, kernel, atomic dQ, "all" or "default" configs) of its rows or
     plan. Which configs a kernel offers changes with the kernel; the scope of a run does not."""
     groups = {}
     for r in rows_or_plan:
-        key = (r["head_dim"], r["dtype"], r.get("slopes", "constant"), r["kernel"], bool(r.get("atomic_dq", False)))
+        key = _cell(r)
         groups[key] = groups.get(key, False) or not r["default"]
     return {(*key, "all" if every else "default") for key, every in groups.items()}
 
@@ -486,6 +498,11 @@ def markdown(payload):
              "without a GPU (Triton's ptxas); counts are per warp, cycles are bounds at H100 per-SM rates, not "
              "timings. `nobias` is the same kernel with the bias compiled out. Bias mode "
              f"`{payload['bias_mode']}`.{state}", ""]
+    for m in payload.get("merged", []):
+        cells = "; ".join(f"d={d} {dt} {sl} {k}{' (atomic dQ)' if a else ''}{'' if scope == 'all' else ' (default config)'}"
+                          for d, dt, sl, k, a, scope in m["cells"])
+        lines += [f"Re-measured later and merged in (`--merge-from`): {cells}, by `{m['command']}` (torch {m['torch']}, "
+                  f"{m['date']}); the rest is from the run above.", ""]
     if other:
         lines += [f"Second column: {ot} (torch {other['torch']}, {other['date']}), read from its own results file.", ""]
     lines += ["## Default configs: alibi / nobias", "",
@@ -549,7 +566,11 @@ def rerender(out_dir: Path, version: str, compare: Path | None):
     path = Path(out_dir) / f"{stem(version)}.json"
     if not path.is_file():
         raise SystemExit(f"bench_kernel_sass.py: no {path} to rerender")
-    payload = json.loads(path.read_text())
+    return _write_finished(out_dir, version, json.loads(path.read_text()), compare)
+
+
+def _write_finished(out_dir: Path, version: str, payload: dict, compare: Path | None):
+    """Write a payload that compiles nothing more, with the other Triton's results file as its second column."""
     comparison = find_comparison(out_dir, version, compare)
     lines = markdown({**payload, "comparison": comparison})
     if comparison:
@@ -557,6 +578,55 @@ def rerender(out_dir: Path, version: str, compare: Path | None):
     md, js = write_report(out_dir, stem(version), payload, lines)
     print(f"wrote {md} and {js}")
     return payload
+
+
+def merge_rows(rows, new_rows):
+    """``rows`` with the cells ``new_rows`` covers (head_dim, dtype, slopes, kernel, atomic dQ) replaced by those rows,
+    each in the place of the first row it replaces; cells new to ``rows`` go at the end. A cell whose configs
+    ``rows`` covers and ``new_rows`` does not (all configs there, the default only here) is an error."""
+    old_scope = {c[:5]: c[5] for c in coverage(rows)}
+    new_scope = {c[:5]: c[5] for c in coverage(new_rows)}
+    narrower = sorted((c for c in new_scope if old_scope.get(c) == "all" and new_scope[c] == "default"), key=str)
+    if narrower:
+        raise ValueError(f"the new rows cover only the default config of {len(narrower)} cell(s) that the results "
+                         f"file covers with all configs (e.g. {narrower[0]})")
+    by_cell = {}
+    for r in new_rows:
+        by_cell.setdefault(_cell(r), []).append(r)
+    out, placed = [], set()
+    for r in rows:
+        c = _cell(r)
+        if c not in by_cell:
+            out.append(r)
+        elif c not in placed:  # the first row of a replaced cell: its new rows go here
+            out += by_cell[c]
+            placed.add(c)
+    return out + [r for c, group in by_cell.items() if c not in placed for r in group]
+
+
+def merge(out_dir: Path, version: str, source: Path, compare: Path | None):
+    path = Path(out_dir) / f"{stem(version)}.json"
+    if not path.is_file():
+        raise SystemExit(f"bench_kernel_sass.py: no {path} to merge into")
+    try:
+        new = json.loads(Path(source).read_text())
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"bench_kernel_sass.py: cannot read --merge-from {source}: {err}") from None
+    payload = json.loads(path.read_text())
+    for field in ("triton", "bias_mode", "target"):
+        if new.get(field) != payload.get(field):
+            raise SystemExit(f"bench_kernel_sass.py: {source} has {field} {new.get(field)!r}, {path} has "
+                             f"{payload.get(field)!r}: only runs of the same setup merge")
+    if not new.get("complete"):
+        raise SystemExit(f"bench_kernel_sass.py: {source} is an incomplete run")
+    try:
+        payload["rows"] = merge_rows(payload["rows"], new["rows"])
+    except ValueError as err:
+        raise SystemExit(f"bench_kernel_sass.py: {err}") from None
+    payload["summary"] = summarise(payload["rows"])
+    payload.setdefault("merged", []).append(
+        {**{k: new[k] for k in ("command", "torch", "date")}, "cells": sorted(map(list, coverage(new["rows"])))})
+    return _write_finished(out_dir, version, payload, compare)
 
 
 class _Inline:
@@ -593,6 +663,10 @@ def goal_failures(summary) -> list[str]:
     for s in summary:
         if s["meets_goals"]:
             continue
+        if not s["judged"]:  # e.g. a run of one kernel, to merge into the full file
+            out.append(f"d={s['head_dim']} {s['dtype']} {s['slopes']}: not judged, the run has neither the forward "
+                       "nor every kernel of the default backward")
+            continue
         why = []
         for part in s["judged"]:
             p = s[part]
@@ -620,6 +694,8 @@ def main(argv=None):
     out_dir = args.out_dir if args.out_dir is not None else (RESULTS / "smoke" if args.smoke else RESULTS)
     if args.rerender:
         return rerender(out_dir, triton.__version__, args.compare)
+    if args.merge_from is not None:
+        return merge(out_dir, triton.__version__, args.merge_from, args.compare)
     cells = plan(args)
     lost = smaller_than_existing(Path(out_dir) / f"{stem(triton.__version__)}.json", cells)
     if lost:

@@ -55,6 +55,10 @@ The bias is derived per tile, never materialised. Two interchangeable ways (``bi
   the default (``ALIBI_TRITON_BIAS=sqrt`` or ``bias_mode="sqrt"``): compiled for sm_90 it issues
   about 3× the bias-free instructions per score (``benchmarks/bench_kernel_sass.py --bias-mode sqrt``).
 
+The backward may derive the bias in the other mode than its forward (the values agree up to fp32
+rounding): by default the atomic-dQ backward on a GPU uses ``"sqrt"``, because on an H100 its table
+gathers saturate L1 while the forward's do not (:func:`backward_uses_table`).
+
 Codes / rows / columns per token are precomputed once per grid as an int32 (2, N) array, so
 the kernels do no integer division in their inner loops.
 
@@ -67,7 +71,9 @@ bitwise deterministic for a given block configuration:
    query tiles, recomputing ``P = exp2(s - lse)``; ``dV += Pᵀ dO``, ``dS = P ∘ (dP - Δ)``
    with ``dP = dO Vᵀ``, ``dK += dSᵀ Q · scale``. When the slope needs a gradient it also
    accumulates ``Σ_i dS_ij·B_ij`` per key token into a (B, heads, N) buffer; torch sums that
-   to ``dL/dm_h = Σ_ij dS_ij·B_ij``.
+   to ``dL/dm_h = Σ_ij dS_ij·B_ij``. Across its loop each thread carries its own partial sums
+   (8 per key row, :func:`_add_row_products`: one FFMA per element, no shuffles) and reduces
+   them across threads once, after the loop.
 3. dQ kernel: a program keeps one query tile and loops over key tiles: ``dQ += dS K · scale``.
    Skipped entirely when q needs no gradient.
 
@@ -135,6 +141,9 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BIAS_MODES = ("table", "sqrt")
 # Width of the narrow key tile that replaces a mostly empty last tile (the smallest tl.dot operand).
 TAIL_N = tl.constexpr(16)
+# Partial sums per key row that the dK/dV kernel carries for the slope gradient (_add_row_products): the
+# column period of the tensor cores' accumulator layout, so each thread's columns map to its own partials.
+ROW_PARTIALS = tl.constexpr(8)
 # Grid axes 1 and 2 (heads, batch) are limited to 65535 programs by CUDA.
 _MAX_GRID_YZ = 65535
 
@@ -152,6 +161,13 @@ _HAS_BIAS = True  # False only inside bias_compiled_out() (a benchmark baseline)
 DEFAULT_BIAS_MODE = os.environ.get("ALIBI_TRITON_BIAS", "table")
 if DEFAULT_BIAS_MODE not in BIAS_MODES:
     raise ValueError(f"ALIBI_TRITON_BIAS must be one of {BIAS_MODES}, got {DEFAULT_BIAS_MODE!r}")
+# ALIBI_TRITON_BWD_BIAS: how the backward derives the bias: "auto" (the measured default,
+# backward_uses_table), "same" as the forward did, or "table"/"sqrt" whatever the forward used (the
+# Euclidean metric only; Manhattan is table-only). See backward_bias().
+BACKWARD_BIAS_MODES = ("auto", "same", *BIAS_MODES)
+_BWD_BIAS = os.environ.get("ALIBI_TRITON_BWD_BIAS", "auto")
+if _BWD_BIAS not in BACKWARD_BIAS_MODES:
+    raise ValueError(f"ALIBI_TRITON_BWD_BIAS must be one of {BACKWARD_BIAS_MODES}, got {_BWD_BIAS!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -573,6 +589,35 @@ def _bwd_preprocess_kernel(O, DO, LSE, LSEP, Delta,
 
 
 @triton.jit
+def _fma_chain(acc, x, y):
+    """``acc + Σ_k x[:, :, k]·y[:, :, k]`` over the last axis (a power of two) as a chain from ``acc``, so every
+    product fuses into the add before it: one FFMA per element (``tl.split`` halves the axis in registers)."""
+    K: tl.constexpr = x.shape[2]
+    if K == 1:
+        return acc + tl.reshape(x, acc.shape) * tl.reshape(y, acc.shape)
+    else:
+        x0, x1 = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], K // 2, 2]))
+        y0, y1 = tl.split(tl.reshape(y, [y.shape[0], y.shape[1], K // 2, 2]))
+        return _fma_chain(_fma_chain(acc, x0, y0), x1, y1)
+
+
+@triton.jit
+def _add_row_products(acc, x, y):
+    """``acc + x∘y`` with column ``c`` of the (R, C) product added into ``acc[:, c % 8]``, acc (R, 8)
+    (``ROW_PARTIALS``): row sums left as 8 partials per row, which :func:`_dkdv_loop` carries across its loop
+    and sums once after it. In the tensor cores' accumulator layout (wgmma and mma.sync) a thread holds 2
+    adjacent columns of every 8, so these partials stay in the thread's registers: the loop adds one FFMA per
+    element and no shuffles, where ``tl.sum(x * y, 1)`` per tile costs a multiply and a half per element
+    (Triton 3.8 adds a thread's values as a tree, so half the products do not fuse into the adds) and a
+    cross-lane shuffle reduction."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    x = tl.permute(tl.reshape(x, [R, C // ROW_PARTIALS, ROW_PARTIALS]), [0, 2, 1])
+    y = tl.permute(tl.reshape(y, [R, C // ROW_PARTIALS, ROW_PARTIALS]), [0, 2, 1])
+    return _fma_chain(acc, x, y)
+
+
+@triton.jit
 def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Codes, Tbl,
                stride_qn, stride_qd, stride_don, stride_dod, stride_gn, stride_gd,
                N, h, w, code_stride, qk_scale, b_scale,
@@ -614,7 +659,7 @@ def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Cod
         if COMPUTE_DSLOPE and HAS_BIAS:  # here, so the bias tile is not live across the dK (and dQ) products
             if TABLE == 1:  # dL/dm needs B itself: gather it from the unscaled table (TABLE == 2 gathered it)
                 bias_t = _bias_tile(qa, qb, ku, kb, Tbl, h, w, TABLE, WRAP, True)
-            dsl += tl.sum(dst * bias_t, 1)
+            dsl = _add_row_products(dsl, dst, bias_t)
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), acc=dk, input_precision=DOT_PREC)
         if ATOMIC_DQ:  # this key tile's share of dQ (unscaled), added into the fp32 buffer in any order
             if BLOCK_M < 64:
@@ -676,7 +721,7 @@ def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, LSE, Delta, DSL, Slopes, Cod
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dsl = tl.zeros([BLOCK_N], dtype=tl.float32)
+    dsl = tl.zeros([BLOCK_N, ROW_PARTIALS], dtype=tl.float32)
     # One loop for every program, the last partial key tile's included: keys past N were loaded as
     # zeros and their rows of dK, dV and the slope partials are never stored, so only the atomic dQ
     # (which sums over keys) masks their probabilities. (Two copies of the loop, one masked, made
@@ -690,7 +735,7 @@ def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, LSE, Delta, DSL, Slopes, Cod
     tl.store(DV + g_off, dv.to(DV.dtype.element_ty), mask=mask_n[:, None])
     if COMPUTE_DSLOPE:
         # Per-key partial sums of dS·B; summed over keys and batch in torch (deterministic).
-        tl.store(DSL + offs_n, dsl * bias_norm, mask=mask_n)
+        tl.store(DSL + offs_n, tl.sum(dsl, 1) * bias_norm, mask=mask_n)
 
 
 @triton.jit
@@ -1102,6 +1147,36 @@ def atomic_dq(enabled: bool | None = True):
         _ATOMIC_DQ = previous
 
 
+@contextlib.contextmanager
+def backward_bias(mode: str = "auto"):
+    """Backward passes run inside the block derive the bias in ``mode``: "auto" (:func:`backward_uses_table`),
+    "same" as their forward, or "table"/"sqrt" whatever the forward used (Euclidean metric; Manhattan always
+    gathers). The two modes give the same values up to fp32 rounding, so a forward in one mode and a
+    backward in the other agree; which is faster differs between the passes on an H100."""
+    global _BWD_BIAS
+    if mode not in BACKWARD_BIAS_MODES:
+        raise ValueError(f"backward bias mode must be one of {BACKWARD_BIAS_MODES}, got {mode!r}")
+    previous, _BWD_BIAS = _BWD_BIAS, mode
+    try:
+        yield
+    finally:
+        _BWD_BIAS = previous
+
+
+def backward_uses_table(q, use_table, metric, atomic):
+    """Whether the backward gathers the bias from the difference table (else: per-element sqrt). By default
+    ("auto") the atomic-dQ backward on a GPU computes it per element whatever the forward did: on an H100
+    (bf16, head_dim 64, ViT-B at 518 and 1022 px) that made forward+backward 8-17% faster for every slope
+    kind, because the backward's gathers saturate L1 (74% of its throughput in the dK/dV kernel) while the
+    forward, whose gathers leave room, is 9-27% faster with the table. Elsewhere nothing was timed, so the
+    backward keeps the forward's mode. The Manhattan metric always gathers."""
+    if metric != "euclidean" or _BWD_BIAS == "same":
+        return use_table
+    if _BWD_BIAS == "auto":
+        return use_table and not (atomic and q.is_cuda)
+    return _BWD_BIAS == "table"
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, slopes, grid_h, grid_w, prefix, wrap, normalize, use_table, *rest = inputs
     o, lse = output
@@ -1114,8 +1189,11 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse, slopes = ctx.saved_tensors
     need_dq, need_dslopes = bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[3])
-    dq, dk, dv, dslopes = alibi_attention_bwd(do, q, k, v, o, lse, slopes, *ctx.geometry, need_dslopes, need_dq,
-                                              ctx.metric, atomic_dq_enabled(q))
+    *geometry, use_table = ctx.geometry
+    atomic = atomic_dq_enabled(q)
+    dq, dk, dv, dslopes = alibi_attention_bwd(do, q, k, v, o, lse, slopes, *geometry,
+                                              backward_uses_table(q, use_table, ctx.metric, atomic), need_dslopes,
+                                              need_dq, ctx.metric, atomic)
     grads = (dq if need_dq else None), dk, dv, (dslopes if need_dslopes else None)
     return grads + (None,) * (ctx.num_inputs - len(grads))
 

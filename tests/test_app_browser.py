@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -118,17 +119,19 @@ def add_class(page, name: str) -> int:
 
 
 def label_layer_counts(page, colours: dict[int, str]) -> dict[int, int]:
-    """Pixels of each class colour on the page's label layer (the colourised labels.png)."""
+    """Pixels of each class colour on the page's label layer: its full-resolution tiles (level 0,
+    the colourised label tiles the server sent)."""
     return {int(k): v for k, v in page.evaluate(
         """colours => {
-            const c = document.getElementById('label-layer');
-            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
             const want = Object.entries(colours).map(([v, hex]) =>
                 [v, parseInt(hex.slice(1, 3), 16), parseInt(hex.slice(3, 5), 16), parseInt(hex.slice(5, 7), 16)]);
             const counts = Object.fromEntries(want.map(([v]) => [v, 0]));
-            for (let i = 0; i < d.length; i += 4) {
-                if (!d[i + 3]) continue;
-                for (const [v, r, g, b] of want) if (d[i] === r && d[i + 1] === g && d[i + 2] === b) { counts[v]++; break; }
+            for (const c of document.querySelectorAll('#label-layer canvas[data-level="0"]')) {
+                const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                for (let i = 0; i < d.length; i += 4) {
+                    if (!d[i + 3]) continue;
+                    for (const [v, r, g, b] of want) if (d[i] === r && d[i + 1] === g && d[i + 2] === b) { counts[v]++; break; }
+                }
             }
             return counts;
         }""", {str(k): v for k, v in colours.items()}).items()}
@@ -228,7 +231,7 @@ def test_scribble_train_reload_save_apply(micrograph, servers, new_page, tmp_pat
     # A reload shows every stroke: labels come from the server.
     colours = {c["value"]: c["color"] for c in server.json("GET", "/api/state")["classes"]}
     page.reload()
-    page.wait_for_function("() => window.app.labels !== null && window.app.current === 'm0'")
+    page.wait_for_function("() => window.app.labelsShown && window.app.current === 'm0'")
     after = server.png("/api/images/m0/labels.png")
     np.testing.assert_array_equal(after, labels)
     assert label_layer_counts(page, colours) == value_counts(labels, colours)
@@ -297,7 +300,7 @@ def test_restart_keeps_classes_and_labels(micrograph, servers, new_page, tmp_pat
     server_labels = first.png("/api/images/m0/labels.png")
     assert 0 < (server_labels == matrix).sum() < (two == matrix).sum()
     assert (server_labels == other).sum() == (two == other).sum()
-    page.wait_for_function("() => window.app.labels !== null && window.app.pendingStrokes === 0")
+    page.wait_for_function("() => window.app.labelsShown && window.app.pendingStrokes === 0")
     # The view: the wheel zooms around the cursor, right drag and space + drag pan (and draw nothing).
     box = page.locator("#canvas-area").bounding_box()
     cx, cy = box["x"] + 300, box["y"] + 250
@@ -338,7 +341,7 @@ def test_restart_keeps_classes_and_labels(micrograph, servers, new_page, tmp_pat
     open_app(page, second)
     assert second.json("GET", "/api/state")["classes"] == classes
     page.click('.image-row[data-id="m0"]')
-    page.wait_for_function("() => window.app.labels !== null")
+    page.wait_for_function("() => window.app.labelsShown")
     assert page.inner_text(f'.class-row[data-value="{matrix}"] .name') == "matrix"
     assert page.inner_text(f'.class-row[data-value="{other}"] .name') == "pore space"
     assert page.input_value(f'.class-row[data-value="{matrix}"] input[type=color]') == "#ff8800"
@@ -401,7 +404,9 @@ def test_bad_input_shows_the_servers_message(micrograph, servers, new_page, tmp_
     assert len(images) == 2 and images[1]["name"].startswith("small") and images[1]["width"] == 80
     new_id = images[1]["id"]
     assert "selected" in page.get_attribute(f'.image-row[data-id="{new_id}"]', "class")
-    assert page.evaluate("() => [document.getElementById('image-layer').width, document.getElementById('image-layer').height]") == [80, 64]
+    assert page.evaluate("() => [window.app.imageWidth, window.app.imageHeight]") == [80, 64]
+    tiles = page.evaluate("() => [...document.querySelectorAll('#image-layer canvas')].map(c => [c.width, c.height])")
+    assert tiles == [[80, 64]]   # one tile, the image at full resolution
 
 
 def test_speed_benchmark_script_runs(tmp_path):
@@ -453,7 +458,7 @@ def test_two_tabs_undo_only_what_each_shows(micrograph, servers, new_page, tmp_p
     b = new_page()
     open_app(b, server)
     open_image(b)
-    b.wait_for_function("() => window.app.labels !== null")
+    b.wait_for_function("() => window.app.labelsShown")
 
     a.route("**/api/state", lambda route: route.abort())   # A hears nothing more of the state
     b.keyboard.press(str(pores))
@@ -633,3 +638,116 @@ def test_a_randomly_initialised_backbone_is_named_as_such(micrograph, servers, n
     assert page.locator("#backbone-note").is_visible()
     assert "random initialisation" in page.inner_text("#backbone-note")
     assert "(random weights)" in page.inner_text("#backbone")
+
+
+def test_a_big_ome_zarr_is_shown_scribbled_trained_and_predicted_where_it_is_viewed(servers, new_page, tmp_path):
+    """An 8192² 16-bit OME-Zarr (67 MP): the page shows it from its pyramid at the zoom's level, one
+    tile at a time; zoomed in, strokes drawn with the mouse land where drawn; Train answers with the
+    overlay of the region on screen (a few percent of the image), which the page shows, and the rest
+    of the prediction fills in afterwards. No request ever asks for a whole image."""
+    from alibi_vit.synthetic import synthetic_micrograph
+    from alibi_vit.trainable.writers import ZarrOutput
+
+    base, base_truth = synthetic_micrograph(1024, 3, seed=3)[:2]
+    image, truth = np.tile(base, (8, 8)), np.tile(base_truth, (8, 8))   # 8192² px
+    folder = tmp_path / "images"
+    folder.mkdir()
+    out = ZarrOutput(folder / "big.ome.zarr", image.shape, image.dtype, 512)
+    for r in range(0, 8192, 2048):
+        out.write((slice(r, r + 2048), slice(0, 8192)), image[r:r + 2048])
+    out.finish()   # levels 1..4 stored in the file
+    server = servers(folder, tmp_path / "session")
+    page = new_page()
+    whole = []   # requests for a whole image, labels or prediction
+    tiles = []
+    page.on("request", lambda req: (tiles if "/tiles/" in req.url else whole).append(req.url)
+            if any(k in req.url for k in ("/tiles/", "display.png", "labels.png", "prediction.png", "mask.png",
+                                          "uncertainty.png")) else None)
+    open_app(page, server)
+    page.click('.image-row[data-id="big"]')
+    shown = wait_timing(page, "image_shown", "big", 1, timeout_ms=60_000)
+    assert (shown["width"], shown["height"]) == (8192, 8192) and shown["level"] >= 3   # fitted: a coarse level
+    assert {u.split("/tiles/")[1].split("/")[1] for u in tiles} == {str(shown["level"])}   # that level only
+    assert page.evaluate("() => window.app.state.images[0].chunked")
+
+    # Zoom in with the wheel around the image's centre until image pixels are about screen pixels.
+    centre = (4100, 4100)
+    page.mouse.move(*to_screen(page, *centre))
+    while page.evaluate("() => window.app.view.scale") < 0.9:
+        page.mouse.wheel(0, -300)
+        page.wait_for_timeout(50)
+    page.wait_for_function("() => window.app.level === 0 && window.app.labelsShown")
+    top, left, bottom, right = page.evaluate("() => window.app.region")
+    assert 200_000 < (bottom - top) * (right - left) < 2_000_000 and top <= centre[1] < bottom
+
+    values = {phase: add_class(page, name) for phase, name in enumerate(PHASES, start=1)}
+    margin = 40
+    crop = (slice(top + margin, bottom - margin), slice(left + margin, right - margin))
+    for phase, value in values.items():
+        page.keyboard.press(str(value))
+        for stroke in strokes_inside(truth[crop], phase, 2, 4):
+            draw(page, [(x + crop[1].start, y + crop[0].start) for x, y in stroke])
+    labels = np.zeros(image.shape, np.uint8)   # the server's labels, from the label tiles of level 0
+    for r in range(top // 512, -(-bottom // 512)):
+        for c in range(left // 512, -(-right // 512)):
+            labels[r * 512:(r + 1) * 512, c * 512:(c + 1) * 512] = server.png(f"/api/images/big/tiles/labels/0/{r}/{c}.png")
+    for phase, value in values.items():   # strokes land where drawn
+        assert (labels == value).sum() > 100
+        assert (truth[labels == value] == phase).mean() > 0.98
+    state = server.json("GET", "/api/state")
+    assert sum(state["images"][0]["labelled"].values()) == int((labels > 0).sum())
+    assert len(list((tmp_path / "session" / "labels" / "big.zarr").rglob("*/*"))) <= 4   # blocks with labels only
+
+    page.click("#train")
+    trained = wait_timing(page, "train", None, 1, timeout_ms=240_000)
+    assert trained["predicted"] < 0.1   # the answer waited for the region on screen, not the image
+    assert page.locator("#overlay-layer").is_visible() and page.evaluate("() => window.app.overlayShown")
+    # The overlay covers the view: sample it on the page's level-0 overlay tiles.
+    covered = page.evaluate("""([t, l, b, r]) => {
+        let hit = 0, n = 0;
+        for (let y = t + 2; y < b - 2; y += (b - t) / 20) for (let x = l + 2; x < r - 2; x += (r - l) / 20) {
+            const row = Math.floor(y / 512), col = Math.floor(x / 512);
+            const c = document.querySelector(`#overlay-layer canvas[data-level="0"][data-key="0/${row}/${col}"]`);
+            n++;
+            if (c && c.getContext('2d').getImageData(Math.floor(x) - col * 512, Math.floor(y) - row * 512, 1, 1).data[3] > 0) hit++;
+        }
+        return hit / n;
+    }""", [top, left, bottom, right])
+    assert covered == 1.0
+    mask = np.zeros(image.shape, np.uint8)
+    for r in range(top // 512, -(-bottom // 512)):
+        for c in range(left // 512, -(-right // 512)):
+            mask[r * 512:(r + 1) * 512, c * 512:(c + 1) * 512] = server.png(f"/api/images/big/tiles/prediction/0/{r}/{c}.png")
+    view = (slice(top, bottom), slice(left, right))
+    assert (mask[view] > 0).all()
+    # It is the trained model's prediction: that model, loaded from the session folder, predicts the
+    # same classes on a crop of the image around the view (its margin wider than the features' reach).
+    from alibi_vit.app.model_store import ModelStore
+
+    deadline = time.monotonic() + 60
+    while (restored := ModelStore(tmp_path / "session" / "model").load()) is None:
+        assert time.monotonic() < deadline, "the model was not saved in the session folder"
+        time.sleep(0.2)
+    model = restored[0]
+    pad = model.halo + 16
+    around = (slice(top - pad, bottom + pad), slice(left - pad, right + pad))
+    expected = model.classes_[model.predict_proba([image[around]])[0].argmax(-1)][pad:-pad, pad:-pad]
+    np.testing.assert_array_equal(mask[view], expected)
+    assert (mask[labels > 0] == labels[labels > 0]).mean() > 0.9   # the scribbles are predicted as drawn
+    # The rest follows in the background while the image is shown.
+    page.wait_for_function("() => window.app.state.images[0].prediction.predicted > " + str(trained["predicted"]),
+                           timeout=120_000)
+    assert not whole, whole
+    assert server.alive()
+
+
+def test_big_image_benchmark_script_runs(tmp_path):
+    """benchmarks/bench_app_bigimage.py (the big-image goals of docs/app.md) still drives the page: a smoke run."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_app_bigimage.py"), "--smoke", "--fill-s", "1",
+                          "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "app_bigimage_cpu.json").read_text())
+    assert set(result["measured"]) == {"train_to_overlay_s", "open_big_s", "server_peak_rss_gb"}
+    assert all(v > 0 for v in result["measured"].values())
+    assert result["result"]["open_big"]["level"] >= 1   # the 2048² OME-Zarr fitted: shown from a coarser level
+    assert "| 2048² OME-Zarr: click → shown" in (tmp_path / "app_bigimage_cpu.md").read_text()

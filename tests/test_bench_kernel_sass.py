@@ -195,3 +195,30 @@ def test_a_run_never_replaces_results_that_cover_more(tmp_path):
                            "--out-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "this run would not" in proc.stderr
     assert json.loads((tmp_path / f"{stem}.json").read_text()) == {"rows": full}  # untouched
+
+
+def test_merge_replaces_only_the_cells_the_smaller_run_covers():
+    """--merge-from: the re-measured cells take the place of the old ones, every other row stays as it was."""
+    rows = _rows("constant") + _rows("learned")
+    new = [_row("bwd_dkdv", v, ipe, "learned", atomic, default=d) for v, ipe, atomic, d in
+           (("alibi", 0.45, False, True), ("nobias", 0.4, False, True), ("alibi", 0.47, False, False),
+            ("alibi", 0.6, True, True), ("nobias", 0.55, True, True))]
+    merged = bench.merge_rows(rows, new)
+    replaced = [r for r in rows if r["slopes"] == "learned" and r["kernel"] == "bwd_dkdv"]
+    assert len(merged) == len(rows) - len(replaced) + len(new)
+    assert [r for r in merged if r not in new] == [r for r in rows if r not in replaced]
+    assert [r for r in merged if r in new] == new
+    # The learned two-kernel rows stand where the old ones stood: before the dQ kernel's.
+    kernels = [(r["kernel"], r["atomic_dq"]) for r in merged if r["slopes"] == "learned"]
+    assert kernels.index(("bwd_dkdv", False)) < kernels.index(("bwd_dq", False))
+    (learned,) = [s for s in bench.summarise(merged, atomic_default=lambda d, dt: True) if s["slopes"] == "learned"]
+    assert learned["bwd_two-kernel"]["ratio"] == round((0.45 + 0.3) / (0.4 + 0.2), 3)
+    assert learned["bwd_atomic"]["ratio"] == round(0.6 / 0.55, 3)
+    # A run of the dK/dV kernel alone cannot judge a two-kernel default backward, and says so.
+    (alone,) = bench.summarise(new, atomic_default=lambda d, dt: False)
+    assert bench.goal_failures([alone]) == ["d=64 bfloat16 learned: not judged, the run has neither the forward nor "
+                                            "every kernel of the default backward"]
+    # A default-only run cannot stand in for cells measured with every config.
+    with_all = rows + [_row("bwd_dkdv", "alibi", 0.5, "learned", default=False)]
+    with pytest.raises(ValueError, match="only the default config"):
+        bench.merge_rows(with_all, new[:2])

@@ -49,7 +49,9 @@ def _outputs(folder: Path) -> dict[str, bytes]:
 
 
 def _apply(model, images, out, *extra):
-    return main(["segment", "apply", "--model", str(model), "--images", str(images), "--out", str(out), *extra])
+    # --features 2d: the inputs hold a TIFF stack, segmented slice by slice by the 2D model
+    return main(["segment", "apply", "--model", str(model), "--images", str(images), "--out", str(out),
+                 "--features", "2d", *extra])
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +238,8 @@ def test_three_shares_merged_equal_one_run(data, cluster, tmp_path, capsys, monk
 
 def test_shards_split_the_inputs_every_nth_image(data, tmp_path):
     root, _ = data
-    files, names = segment_cli._apply_inputs(type("Args", (), {"images": [root / "in"], "recursive": False}))
+    args = type("Args", (), {"images": [root / "in"], "recursive": False, "slice_folders": False})
+    files, names = segment_cli._apply_inputs(args)
     rows = [n.row for n in names]
     assert rows == sorted(rows) and len(rows) == 7
     shares = [rows[i::3] for i in range(3)]

@@ -291,7 +291,7 @@ def test_colour_model_on_colour_files_and_grey_files_are_an_error(tmp_path, caps
     assert "is grayscale but the model was trained on colour images" in _one_line_error(capsys)
 
 
-def test_stacks_are_segmented_slice_by_slice_and_written_back_as_stacks(tmp_path):
+def test_stacks_with_features_2d_are_segmented_slice_by_slice_and_written_back_as_stacks(tmp_path):
     from alibi_vit.trainable import TrainableSegmenter
 
     for d in ("img", "lab", "new"):
@@ -302,9 +302,9 @@ def test_stacks_are_segmented_slice_by_slice_and_written_back_as_stacks(tmp_path
     tifffile.imwrite(tmp_path / "img" / "vol.tif", stack, photometric="minisblack")
     tifffile.imwrite(tmp_path / "lab" / "vol_labels.tif", labels.astype(np.uint8), photometric="minisblack")
     assert run(["train", "--images", str(tmp_path / "img"), "--labels", str(tmp_path / "lab"), "--trees", "10",
-                "--out", str(tmp_path / "m")]) == 0  # the middle slice has no labels: fine
+                "--features", "2d", "--out", str(tmp_path / "m")]) == 0  # the middle slice has no labels: fine
     assert run(["apply", "--model", str(tmp_path / "m"), "--images", str(tmp_path / "img"), "--proba",
-                "--out", str(tmp_path / "out")]) == 0
+                "--features", "2d", "--out", str(tmp_path / "out")]) == 0
     masks = tifffile.imread(tmp_path / "out" / "vol_mask.tif")
     assert masks.shape == stack.shape
     seg = TrainableSegmenter.load(tmp_path / "m")
@@ -317,7 +317,7 @@ def test_stacks_are_segmented_slice_by_slice_and_written_back_as_stacks(tmp_path
     tifffile.imwrite(tmp_path / "lab" / "vol_labels.tif", np.concatenate([labels, labels]).astype(np.uint8),
                      photometric="minisblack")
     with pytest.raises(ValueError, match="is a stack of 6 slices but image .* is a stack of 3 slices"):
-        run(["train", "--images", str(tmp_path / "img"), "--labels", str(tmp_path / "lab"),
+        run(["train", "--images", str(tmp_path / "img"), "--labels", str(tmp_path / "lab"), "--features", "2d",
              "--out", str(tmp_path / "m2")])
 
 

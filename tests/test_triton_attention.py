@@ -21,6 +21,8 @@ tl = triton.language
 from kernels.alibi_bias import device_bias_lookup  # noqa: E402
 from kernels.attention import alibi_attention, eager_alibi_attention  # noqa: E402
 from kernels.alibi_triton import (  # noqa: E402
+    ROW_PARTIALS,
+    _add_row_products,
     alibi_attention_bwd,
     alibi_attention_fwd,
     triton_alibi_attention,
@@ -154,6 +156,32 @@ def test_interpreter_runs_loops_with_run_time_bounds():
     assert out.item() == sum(range(37))
 
 
+@triton.jit
+def _row_products_kernel(X, Y, Out, Sums, ROWS: tl.constexpr, COLS: tl.constexpr, TILES: tl.constexpr):
+    offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    acc = tl.zeros([ROWS, ROW_PARTIALS], tl.float32)
+    for t in tl.static_range(TILES):  # carried across tiles, as the dK/dV kernel carries the slope partials
+        acc = _add_row_products(acc, tl.load(X + t * ROWS * COLS + offs), tl.load(Y + t * ROWS * COLS + offs))
+    tl.store(Out + tl.arange(0, ROWS)[:, None] * ROW_PARTIALS + tl.arange(0, ROW_PARTIALS)[None, :], acc)
+    tl.store(Sums + tl.arange(0, ROWS), tl.sum(acc, 1))
+
+
+@pytest.mark.skipif(CUDA, reason="runs on Triton's CPU interpreter")
+@pytest.mark.parametrize("cols", [8, 16, 32, 64])
+def test_row_products_are_partial_row_sums_by_column_mod_8(cols):
+    """The slope gradient's partial sums: column c of x∘y lands in partial c % 8 of its row, over every tile,
+    and a row's partials add up to the row sum of all tiles' products."""
+    g = torch.Generator().manual_seed(cols)
+    x, y = (torch.randn(2, 16, cols, generator=g) for _ in range(2))
+    parts = ROW_PARTIALS.value
+    out, sums = torch.empty(16, parts), torch.empty(16)
+    _row_products_kernel[(1,)](x, y, out, sums, ROWS=16, COLS=cols, TILES=2)
+    prod = (x.double() * y.double()).sum(0)  # (16, cols), both tiles
+    want = torch.stack([prod[:, j::parts].sum(1) for j in range(parts)], 1)
+    torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(sums.double(), prod.sum(1), rtol=1e-6, atol=1e-5)
+
+
 def test_bias_follows_spec_formula():
     """Attention weights recovered from the kernel give back -m·d̂ of docs/method.md §2, written out here.
 
@@ -242,7 +270,10 @@ def test_slopes_none_equals_unit_slopes_and_needs_no_slope_grad():
     q.requires_grad_()
     out_none = triton_alibi_attention(q, k, v, (3, 3), 1, None, True, True)
     out_ones = triton_alibi_attention(q, k, v, (3, 3), 1, torch.ones(2, device=DEVICE), True, True)
-    assert torch.equal(out_none, out_ones)
+    # None takes the pre-scaled table (TABLE == 1), unit per-head slopes scale in the kernel (TABLE == 2):
+    # the same values, but on a GPU the compiler fuses the two forms into different FMAs (last-bit
+    # differences, seen on an H100); the interpreter rounds both alike.
+    torch.testing.assert_close(out_none, out_ones, rtol=2e-6, atol=2e-6)
     (dq,) = torch.autograd.grad(out_none, (q,), do)  # only q requires grad
     assert torch.isfinite(dq).all()
 
@@ -364,6 +395,53 @@ def test_atomic_dq_by_default_for_16_bit_head_dim_up_to_64(monkeypatch):
             assert at.atomic_dq_enabled(q(128, torch.bfloat16))
             monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
             assert not at.atomic_dq_enabled(q(64, torch.bfloat16))
+
+
+@pytest.mark.parametrize("forward_mode,backward_mode,slope_kind", [("table", "sqrt", "learned"), ("table", "sqrt", "none"),
+                                                                   ("sqrt", "table", "fixed")])
+def test_backward_bias_mode_independent_of_the_forward(forward_mode, backward_mode, slope_kind, monkeypatch):
+    """backward_bias(): the backward kernels run in the other bias mode (TABLE constexpr 0 for sqrt, nonzero for
+    the table), and the gradients are still the reference's (both modes give the same bias)."""
+    from kernels import alibi_triton as at
+
+    seen = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid_fn):
+            def launch(*args, **kw):
+                seen.append(kw["TABLE"])
+                return self.kernel[grid_fn](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(at, "_dkdv_kernel", Spy(at._dkdv_kernel))
+    with at.backward_bias(backward_mode):
+        _run_and_compare((4, 5), 2, True, True, 32, forward_mode, slope_kind, torch.float32, bsz=1, heads=2, seed=61)
+    assert seen and all((t == 0) == (backward_mode == "sqrt") for t in seen)
+    with pytest.raises(ValueError, match="backward bias mode"):
+        with at.backward_bias("fast"):
+            pass
+
+
+def test_backward_bias_auto_is_sqrt_only_for_the_atomic_backward_on_a_gpu():
+    """"auto" switches the backward to the per-element bias only where it was timed faster (atomic dQ on a GPU);
+    "same" and the Manhattan metric keep the forward's mode."""
+    from kernels import alibi_triton as at
+
+    cpu = torch.zeros(1)
+    gpu_like = type("Q", (), {"is_cuda": True})()
+    with at.backward_bias("auto"):
+        assert at.backward_uses_table(cpu, True, "euclidean", True)
+        assert not at.backward_uses_table(gpu_like, True, "euclidean", True)
+        assert at.backward_uses_table(gpu_like, True, "euclidean", False)
+        assert at.backward_uses_table(gpu_like, True, "manhattan", True)
+        assert not at.backward_uses_table(gpu_like, False, "euclidean", True)
+    with at.backward_bias("same"):
+        assert at.backward_uses_table(gpu_like, True, "euclidean", True)
+    with at.backward_bias("table"):
+        assert at.backward_uses_table(gpu_like, False, "euclidean", True)
 
 
 def test_atomic_dq_setting_is_checked():

@@ -1,14 +1,21 @@
 """The app's compute side: features in the background, training, prediction, Save and Predict-all jobs.
 
 Compute runs on one worker thread (:mod:`~alibi_vit.app.scheduler`) by priority: a Train and the
-prediction of the image on screen first (``NOW``), then the features of the image on screen and
-saving the model (``SHOWN``), then the features of images opened earlier and Predict all
-(``BACKGROUND``). Feature computations and predictions give way between tiles to anything more
-urgent, so a Train waits only for the features of the images it trains on, however large an image
-opened before is. Features are cached (:class:`~alibi_vit.trainable.cache.FeatureCache`, keyed by
-pixels), so retraining after a stroke costs the classifier fit and one prediction; an image whose
-features would take more than half the cache is not precomputed and is predicted without it (it
-would evict the features of every other image, those Train needs among them).
+prediction of the region on screen first (``NOW``), then the features of the image on screen, the
+rest of its prediction and saving the model (``SHOWN``), then the features of images opened
+earlier and Predict all (``BACKGROUND``). Feature computations and predictions give way between
+tiles to anything more urgent, so a Train waits only for the features of the tiles it trains on,
+however large an image opened before is.
+
+Images are predicted block by block (:mod:`~alibi_vit.app.predictions`): the blocks of the region
+on screen first (Train, and each new view, answer once it is predicted: at most ``REGION_BUDGET``
+pixels of it), then the rest of the shown image in the background, nearest the view first, while
+the overlay fills in. Nothing waits for a whole image to be featurised. Features are cached (one
+:class:`~alibi_vit.trainable.cache.FeatureCache`, bounded in bytes, keyed by image and tile): those
+of images that take at most half the cache are computed in the background when the image is
+opened; those of big images (read chunk by chunk) and larger ones only for the tiles trained on and
+on screen, and a pass over a whole image reads the cache without filling it (:class:`PeekCache`),
+so it does not evict what Train needs after each stroke. Memory is that cache plus a few tiles.
 
 Each trained model is saved in the session folder (:mod:`~alibi_vit.app.model_store`) and restored
 by a restarted app. Save jobs run on their own thread with a copy of that saved model (exactly what
@@ -31,19 +38,42 @@ from pathlib import Path
 
 import numpy as np
 
+from .labels import SparseLabels, pooled_labels
 from .model_store import ModelStore
+from .predictions import PredictionStore
+from .pyramid import Pyramid, level_shapes, tile_region
 from .scheduler import Cancelled, Scheduler
 from .session import Session, SessionError, png_bytes, remember, write_atomic
 
-__all__ = ["BACKGROUND", "Engine", "Job", "NOW", "SHOWN"]
+__all__ = ["BACKGROUND", "Engine", "Job", "NOW", "PeekCache", "REGION_BUDGET", "SHOWN"]
 
 SAVE_KINDS = ("labels", "model", "masks", "overlays", "fractions")
-KEEP_PREDICTIONS = 4  # images whose probabilities stay in memory
+KEEP_PREDICTIONS = 4  # images whose predictions (and scaled pixels, display levels) are kept
 NOW, SHOWN, BACKGROUND = 0, 1, 2  # task priorities (lower runs first)
+REGION_BUDGET = 4 << 20  # px of the region on screen predicted before Train or a new view is answered
+PASS_SCRATCH_BYTES = 256 << 20  # features a whole-image pass keeps for itself (neighbouring tiles' ViT windows)
 
 
 def _rgb(colour: str) -> tuple[int, int, int]:
     return tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
+
+
+class PeekCache:
+    """The feature cache as a pass over a whole image uses it: what is cached is used, what is
+    computed is not added (it would evict the features of the tiles on screen and labelled, which
+    every retraining needs) but kept in a small cache of the pass's own: ``PASS_SCRATCH_BYTES`` with
+    a backbone (whose window features neighbouring tiles share), none for classical features (a
+    pass computes each tile's once)."""
+
+    def __init__(self, cache, seg):
+        from ..trainable.cache import FeatureCache
+
+        self.cache, self.scratch = cache, FeatureCache(PASS_SCRATCH_BYTES if seg.vit is not None else 0)
+
+    def get(self, key: str, compute):
+        if key in self.cache:
+            return self.cache.get(key, compute)
+        return self.scratch.get(key, compute)
 
 
 class Job:
@@ -72,7 +102,7 @@ class Engine:
     """
 
     def __init__(self, session: Session, backbone: str | None = None, backbone_kwargs: dict | None = None,
-                 cache_bytes: int = 4 << 30, out: Path | None = None, device: str | None = None):
+                 cache_bytes: int = int(1.5 * 2**30), out: Path | None = None, device: str | None = None):
         from ..trainable.cache import FeatureCache
 
         self.session, self.backbone, self.backbone_kwargs = session, backbone, dict(backbone_kwargs or {})
@@ -87,16 +117,20 @@ class Engine:
         self._model_seg = None  # the fitted segmenter predictions come from (the trainer, or one restored)
         self.model = None  # record of the trained model: id, classes, seconds, images, pixels, versions, key
         self._model_ids = itertools.count(1)
-        self.predictions: OrderedDict[str, dict] = OrderedDict()  # id → {"model", "crf", "proba", "mask"}
-        self.predicted: dict[str, dict] = {}  # id → {"model", "crf", "fractions"} of every image predicted
+        self.predictions: OrderedDict[str, PredictionStore] = OrderedDict()  # the latest of a few images
+        self.predicted: dict[str, dict] = {}  # id → summary of the latest prediction of every image predicted
+        self.focus: dict[str, tuple] = {}  # id → the region last on screen, whose prediction goes first
         self.jobs: dict[str, Job] = {}
         self._job_ids = itertools.count(1)
-        self._scaled: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()  # the dicts below are read by request threads too
+        self._sources: OrderedDict[str, object] = OrderedDict()
+        self._pyramids: OrderedDict[str, Pyramid] = OrderedDict()
         self._display: OrderedDict[str, bytes] = OrderedDict()
         self._display_locks: dict[str, threading.Lock] = {}
         self.store = ModelStore(session.folder / "model")
         self.notes: list[str] = []  # shown in the page: what the engine could not do at start
         self._closed = False
+        shutil.rmtree(session.folder / "cache" / "predictions", ignore_errors=True)  # of models gone
         self._restore_model()
 
     def close(self) -> None:
@@ -175,7 +209,8 @@ class Engine:
     def backbone_changed(self) -> None:
         """Drop the feature work of the old backbone (predictions are kept per model and CRF setting,
         and the model shows only with the backbone it was trained with)."""
-        self.scheduler.cancel(lambda key: key[0] in ("features", "predict"), "cancelled: the backbone changed")
+        self.scheduler.cancel(lambda key: key[0] in ("features", "predict", "region", "fill"),
+                              "cancelled: the backbone changed")
         self.features.clear()
 
     def _restore_model(self) -> None:
@@ -204,33 +239,40 @@ class Engine:
         return self.features.get(image_id, {"state": "pending", "progress": 0.0, "error": None, "note": None})
 
     def _feature_bytes(self, image_id: str) -> int:
-        """Memory the cached classical features of an image take."""
-        from ..trainable.classical import DEFAULT_SIGMAS, classical_feature_names
+        """Memory the cached classical features of an image take (the current filter set's)."""
+        from ..trainable.classical import classical_feature_names
 
         shape = self.session.entry(image_id).shape
         channels = shape[2] if len(shape) == 3 and self.session.colour == "channels" else 1
-        return int(np.prod(shape[:2])) * channels * len(classical_feature_names(DEFAULT_SIGMAS)) * 4
+        seg = self.segmenter()
+        return int(np.prod(shape[:2])) * channels * len(classical_feature_names(seg.sigmas, seg.filters)) * 4
 
     def _fits_cache(self, image_id: str) -> bool:
-        """Whether an image's features are worth caching: at most half the cache, so that keeping them
-        does not evict the features of every other image (those Train needs after each stroke)."""
+        """Whether an image's features are worth caching whole: at most half the cache, so that keeping
+        them does not evict the features of every other image (those Train needs after each stroke)."""
         return self._feature_bytes(image_id) <= self.cache.max_bytes / 2
 
     def open(self, image_id: str) -> dict:
         """The image is on screen: its features are computed before those of images opened earlier
-        (in the background; once); returns its feature state."""
-        self.session.entry(image_id)
+        (in the background; once), and the prediction filling in another image stops; returns its
+        feature state. A big image, or one whose features would take more than half the cache, has
+        its features computed tile by tile when trained on or predicted (what is on screen first)."""
+        entry = self.session.entry(image_id)
         self.shown = image_id
         self.scheduler.reprioritise(lambda key: key[0] == "features" and key[1] != image_id, BACKGROUND)
+        self.scheduler.cancel(lambda key: key[0] == "fill" and key[1] != image_id, "another image is shown")
+        self._start_fill(image_id)  # a prediction begun before: the rest of it fills in
         state = self.feature_state(image_id)
         if state["state"] == "ready":
             return state
-        if not self._fits_cache(image_id):
+        if entry.chunked or not self._fits_cache(image_id):
+            why = "it is read chunk by chunk" if entry.chunked else \
+                f"its features ({self._feature_bytes(image_id) / 2**30:.1f} GB) would take more than half the " \
+                f"feature cache ({self.cache.max_bytes / 2**30:.1f} GB, --cache-gb)"
             state = self.features[image_id] = {
                 "state": "on demand", "progress": 0.0, "error": None,
-                "note": f"its features ({self._feature_bytes(image_id) / 2**30:.1f} GB) would take more than half "
-                        f"the feature cache ({self.cache.max_bytes / 2**30:.1f} GB, --cache-gb): they are computed "
-                        "when it is trained on or predicted, and not kept"}
+                "note": f"{why}: its features are computed tile by tile when it is trained on or predicted (what is "
+                        "on screen first), and those of the tiles on screen or labelled are kept in the cache"}
             return state
         if state["state"] != "running":
             state = self.features[image_id] = {"state": "running", "progress": 0.0, "error": None, "note": None}
@@ -257,37 +299,113 @@ class Engine:
             if not isinstance(err, ValueError):
                 traceback.print_exc()
 
-    def scaled(self, image_id: str, seg) -> np.ndarray:
-        """The image as the features of ``seg`` (of the session's intensity range) see it (float32 in
-        [0, 1]), kept for a few images."""
-        if image_id in self._scaled:
-            return self._scaled[image_id]
-        x = seg.scale(self.session.read(image_id), self.session.entry(image_id).name)
-        return remember(self._scaled, image_id, x, KEEP_PREDICTIONS)
+    def _source(self, image_id: str, seg):
+        """What the features of an image are computed from, scaled by the session's intensity range (as
+        every segmenter of the session scales it): the scaled image, or a big image's chunked view;
+        kept for a few images."""
+        with self._lock:
+            if image_id in self._sources:
+                return self._sources[image_id]
+        src = seg.source(self.session.read(image_id), self.session.entry(image_id).name)
+        with self._lock:
+            return remember(self._sources, image_id, src, KEEP_PREDICTIONS)
 
-    def display_png(self, image_id: str) -> bytes:
-        """8-bit PNG of the image for the page, scaled as the classifier sees it (the session's
-        intensity range). Made on the request's thread: showing an image never waits for features."""
+    # ---- what the page shows: whole images, and tiles at display levels ------------------------
+    def _to_display(self, pixels, name: str) -> np.ndarray:
+        """8-bit pixels for the page, scaled as the classifier sees them (the session's intensity range)."""
         from ..images import scale_to_range
 
+        lo, hi = self.session.fix_intensity()
+        x = scale_to_range(pixels, lo, hi, source=name, colour=self.session.colour == "channels")
+        return (np.clip(x[..., :3] if x.ndim == 3 else x, 0, 1) * 255).round().astype(np.uint8)
+
+    def refuse_chunked(self, image_id: str, what: str) -> None:
+        entry = self.session.entry(image_id)
+        if entry.chunked:
+            raise SessionError(f"{entry.name} is read chunk by chunk: its {what} is sent as tiles at display levels "
+                               "(/api/images/{id}/tiles/...), never whole", status=413)
+
+    def display_png(self, image_id: str) -> bytes:
+        """8-bit PNG of an image read whole, for the page. Made on the request's thread: showing an image
+        never waits for features."""
+        self.refuse_chunked(image_id, "image")
         # Many requests for one image at once make its PNG once (a 4096² one takes GBs to make).
         with self._display_locks.setdefault(image_id, threading.Lock()):
             if image_id in self._display:
                 return self._display[image_id]
-            lo, hi = self.session.fix_intensity()
-            x = scale_to_range(self.session.read(image_id), lo, hi, source=self.session.entry(image_id).name,
-                               colour=self.session.colour == "channels")
-            data = png_bytes((np.clip(x[..., :3] if x.ndim == 3 else x, 0, 1) * 255).round().astype(np.uint8))
+            data = png_bytes(self._to_display(self.session.read(image_id), self.session.entry(image_id).name))
             return remember(self._display, image_id, data, KEEP_PREDICTIONS)
 
+    def _pyramid(self, image_id: str) -> Pyramid:
+        with self._lock:
+            if image_id in self._pyramids:
+                return self._pyramids[image_id]
+        entry = self.session.entry(image_id)
+        pyramid = Pyramid(self.session.read(image_id),
+                          self.session.folder / "cache" / "pyramids" / image_id if entry.chunked else None)
+        with self._lock:
+            return remember(self._pyramids, image_id, pyramid, KEEP_PREDICTIONS)
+
+    def tile(self, image_id: str, layer: str, level: int, row: int, col: int) -> tuple[bytes, dict]:
+        """(PNG, headers) of one display tile (:mod:`~alibi_vit.app.pyramid`) of a layer: ``image`` (8-bit,
+        grey or RGB), ``labels`` (label values, each pixel the largest of its block; header
+        X-Labels-Version), ``prediction`` (class values, 0 where not predicted yet) or ``uncertainty``
+        (grey 1 − max probability with alpha 0 where not predicted); the last two of the latest
+        prediction of the image (headers X-Model, X-CRF, X-Predicted), 409 before there is one."""
+        entry = self.session.entry(image_id)
+        rows, cols = tile_region(level_shapes(entry.shape[:2]), level, row, col)
+        if layer == "image":
+            return png_bytes(self._to_display(self._pyramid(image_id).region(level, rows, cols), entry.name)), {}
+        if layer == "labels":
+            labels, version = self.session.labels_and_version(image_id)
+            return png_bytes(pooled_labels(labels, level, rows, cols)), {"X-Labels-Version": str(version)}
+        with self._lock:
+            store = self.predictions.get(image_id)
+        if store is None:
+            raise SessionError(f"nothing is predicted for {entry.name} yet: press Train or Predict", status=409)
+        headers = {"X-Model": str(store.model), "X-CRF": "true" if store.crf else "false",
+                   "X-Predicted": f"{store.predicted:.4f}"}
+        mask = store.read("mask", level, rows, cols)
+        if layer == "prediction":
+            return png_bytes(mask), headers
+        alpha = np.where(mask > 0, 255, 0).astype(np.uint8)
+        return png_bytes(np.stack([store.read("uncertainty", level, rows, cols), alpha], axis=-1), "LA"), headers
+
     # ---- training and prediction --------------------------------------------------------------
-    def submit_train(self, image_id: str | None = None):
-        """Queue a Train (predicting ``image_id`` after it); a Train still queued is superseded."""
+    def check_region(self, image_id: str, region) -> tuple[slice, slice] | None:
+        """A region [top, left, bottom, right] in image pixels as (rows, cols), clipped to the image;
+        a 400 SessionError when it is not one or holds no pixel of the image."""
+        if region is None:
+            return None
+        h, w = self.session.entry(image_id).shape[:2]
+        top, left, bottom, right = (int(np.floor(v)) for v in region)
+        rows, cols = slice(max(top, 0), min(bottom, h)), slice(max(left, 0), min(right, w))
+        if rows.stop <= rows.start or cols.stop <= cols.start:
+            raise SessionError(f"region {list(region)} holds no pixel of the {w}×{h} px image")
+        return rows, cols
+
+    def submit_train(self, image_id: str | None = None, region=None):
+        """Queue a Train, then the prediction of ``image_id`` (of ``region`` on screen first, the rest
+        following in the background; the whole image without a region); a Train still queued is
+        superseded."""
         if image_id is not None:
             self.session.entry(image_id)
-        return self.scheduler.submit(("train",), lambda: self._train(image_id), NOW, replace=True)
+            region = self.check_region(image_id, region)
+            if region is not None:
+                self.focus[image_id] = region
+        return self.scheduler.submit(("train",), lambda: self._train(image_id, region), NOW, replace=True)
 
-    def _train(self, image_id):
+    def _labels_for_training(self, image_id: str, labels):
+        """A label image as the segmenter reads it: an array, or a big image's sparse labels seen as a
+        chunked image (read tile by tile, like a label store on disk)."""
+        if not isinstance(labels, SparseLabels):
+            return labels
+        from ..chunked import ChunkedImage
+
+        return ChunkedImage(f"labels of {self.session.entry(image_id).name}", "yx", [labels],
+                            f"labels|{image_id}", labels.chunks)
+
+    def _train(self, image_id, region=None):
         session = self.session
         ids = session.labelled_ids()
         present = sorted({int(v) for i in ids for v in session.counts(i)})  # counts kept per label version
@@ -297,23 +415,28 @@ class Engine:
             raise SessionError(f"Train needs scribbles of at least two classes: {have}")
         with session.lock:  # the label versions trained on, to tell when the model is stale
             versions = session.versions()
-            labels = {i: session.label_image(i).copy() for i in ids}
+            labels = {i: session.label_image(i) for i in ids}  # replaced on change, never written in place
         seg = self.segmenter()
         key = self._trainer_key
         start = time.perf_counter()
-        seg.fit([session.read(i) for i in ids], [labels[i] for i in ids])
+        seg.fit([session.read(i) for i in ids], [self._labels_for_training(i, labels[i]) for i in ids])
         for i in ids:
-            self.features[i] = {"state": "ready", "progress": 1.0, "error": None, "note": None}
+            if not session.entry(i).chunked:
+                self.features[i] = {"state": "ready", "progress": 1.0, "error": None, "note": None}
         self.model = {"id": next(self._model_ids), "classes": [int(c) for c in seg.classes_],
                       "seconds": round(time.perf_counter() - start, 3), "images": len(ids),
-                      "pixels": int(sum((lab > 0).sum() for lab in labels.values())),
+                      "pixels": int(sum(sum(session.counts(i).values()) for i in ids)),
                       "versions": versions, "key": [key[0], list(key[1]), key[2]]}
         self._model_seg = seg
-        self.predictions.clear()
+        self.scheduler.cancel(lambda k: k[0] == "fill", "a newer model was trained")
         self.scheduler.submit(("persist",), self._persist, SHOWN, keep=True)
         result = {"model": self.model_state()}
         if image_id is not None:
-            result["prediction"] = {"fractions": self.fractions_of(self._predict(image_id)["mask"])}
+            budget = REGION_BUDGET if region is not None else None
+            store = self._predict_blocks(image_id, region, budget=budget,
+                                         keep_features=region is not None or self._fits_cache(image_id))
+            self._start_fill(image_id)
+            result["prediction"] = self.prediction_record(image_id)
         return result
 
     def _persist(self) -> None:
@@ -325,40 +448,139 @@ class Engine:
     def _persist_now(self) -> None:
         self._wait(self.scheduler.submit(("persist",), self._persist, NOW))
 
-    def _predict(self, image_id: str) -> dict:
+    def _crf_for(self, image_id: str):
+        """The CRF preset an image's prediction uses: the setting's, except for a big image, predicted
+        block by block in the page (the CRF looks past blocks): Save applies it there."""
+        return False if self.session.entry(image_id).chunked else self._crf()
+
+    def _store(self, image_id: str) -> PredictionStore:
+        """The current model's prediction of an image (a new, empty one when the model or the CRF
+        setting changed); the predictions of a few images are kept."""
         model = self.current_model()
         if model is None or self._model_seg is None:
             raise SessionError("no trained model yet: label at least two classes and press Train", status=409)
-        crf = self._crf()
-        cached = self.predictions.get(image_id)
-        if cached is None or cached["model"] != model["id"] or cached["crf"] != crf:
-            seg = self._model_seg
-            seg.crf = crf
-            x = self.scaled(image_id, seg)
-            cache, seg.cache = seg.cache, (seg.cache if self._fits_cache(image_id) else None)
-            try:  # between tiles, the worker may stop it (nobody waits any more, or it was cancelled)
-                (proba,) = seg.predict_proba([x], scaled=True, on_progress=lambda *_: self.scheduler.checkpoint())
-            finally:
-                seg.cache = cache
-            cached = {"model": model["id"], "crf": crf, "proba": proba, "mask": seg.mask_from_proba(proba)}
-            self.predicted[image_id] = {"model": model["id"], "crf": bool(crf),
-                                        "fractions": self.fractions_of(cached["mask"])}
-        return remember(self.predictions, image_id, cached, KEEP_PREDICTIONS)
+        crf = self._crf_for(image_id)
+        with self._lock:
+            store = self.predictions.get(image_id)
+            if store is not None and store.model == model["id"] and store.crf == crf:
+                self.predictions.move_to_end(image_id)
+                return store
+        entry = self.session.entry(image_id)
+        folder = self.session.folder / "cache" / "predictions" / image_id if entry.chunked else None
+        if store is not None:
+            store.remove()
+        store = PredictionStore(entry.shape[:2], self._model_seg.tile, self._model_seg.classes_, model["id"], crf,
+                                folder)
+        with self._lock:
+            self.predictions[image_id] = store
+            while len(self.predictions) > KEEP_PREDICTIONS:
+                self.predictions.popitem(last=False)[1].remove()
+        return store
+
+    def _predict_blocks(self, image_id: str, region=None, budget: int | None = None, focus=None,
+                        keep_features: bool = True) -> PredictionStore:
+        """Predict the blocks of an image the current model has not predicted yet: those overlapping
+        ``region`` ((rows, cols); None: all), tile by tile, the tiles nearest ``focus`` (default the
+        region) first, until ``budget`` pixels are done (None: no limit). Gives way between tiles.
+        ``keep_features``: the tiles' features are kept in the cache (what is on screen or labelled);
+        else only read from it, so that a pass over a big image does not evict them."""
+        store = self._store(image_id)
+        seg = self._model_seg
+        seg.crf = store.crf
+        src = self._source(image_id, seg)
+        if store.crf:  # the CRF looks past tiles: the whole image at once (only images read whole get it)
+            if not store.complete:
+                (proba,) = seg.predict_proba([src.pixels], scaled=True,
+                                             on_progress=lambda *_: self.scheduler.checkpoint())
+                store.write((slice(0, src.shape[0]), slice(0, src.shape[1])), proba)
+                self._summarise(image_id, store)
+            return store
+        tiles = seg.tile_grid(src).covering(region) if region is not None else list(seg.tile_grid(src))
+        centre = focus if focus is not None else region
+        if centre is not None:
+            cy, cx = ((s.start + s.stop) / 2 for s in centre)
+            tiles.sort(key=lambda t: (((t.core[0].start + t.core[0].stop) / 2 - cy) ** 2
+                                      + ((t.core[1].start + t.core[1].stop) / 2 - cx) ** 2))
+        cache = seg.cache
+        seg.cache = self.cache if keep_features else PeekCache(self.cache, seg)
+        spent = 0
+        try:
+            for tile in tiles:
+                if budget is not None and spent >= budget:
+                    break
+                part = store.pending(tile.core, region)
+                if part is None:
+                    continue
+                store.write(part, seg.tile_proba(src, tile, part))
+                spent += (part[0].stop - part[0].start) * (part[1].stop - part[1].start)
+                self._summarise(image_id, store)
+                self.scheduler.checkpoint()
+        finally:
+            seg.cache = cache
+        return store
+
+    def _start_fill(self, image_id: str) -> None:
+        """The rest of the shown image's prediction, in the background, nearest the region on screen first."""
+        with self._lock:
+            store = self.predictions.get(image_id)
+        if image_id == self.shown and store is not None and not store.complete:
+            self.scheduler.submit(("fill", image_id), lambda: self._fill(image_id), SHOWN, keep=True)
+
+    def _fill(self, image_id: str) -> None:
+        if self.current_model() is not None and image_id == self.shown:
+            self._predict_blocks(image_id, focus=self.focus.get(image_id), keep_features=False)
+
+    def submit_region(self, image_id: str, region):
+        """Queue the prediction of the region on screen ([top, left, bottom, right]; at most
+        REGION_BUDGET pixels of it before the answer), the rest of the image following; a request
+        still queued for the image is superseded."""
+        self.session.entry(image_id)
+        region = self.check_region(image_id, region)
+        self.focus[image_id] = region
+
+        def run():
+            self._predict_blocks(image_id, region, budget=REGION_BUDGET)
+            self._start_fill(image_id)
+            return self.prediction_record(image_id)
+
+        return self.scheduler.submit(("region", image_id), run, NOW if image_id == self.shown else SHOWN,
+                                     replace=True)
+
+    def _predict(self, image_id: str) -> PredictionStore:
+        """The current model's whole prediction of an image (what is not predicted yet, computed now)."""
+        return self._predict_blocks(image_id, keep_features=self._fits_cache(image_id))
 
     def submit_prediction(self, image_id: str):
-        """Queue the prediction of an image (joining one queued or running): first for the image on screen."""
+        """Queue the whole prediction of an image (joining one queued or running): first for the image on screen."""
         self.session.entry(image_id)
         return self.scheduler.submit(("predict", image_id), lambda: self._predict(image_id),
-                           NOW if image_id == self.shown else SHOWN)
+                                     NOW if image_id == self.shown else SHOWN)
 
-    def fractions_of(self, mask: np.ndarray) -> list[dict]:
-        """Pixels and area fraction of each class of the session in a predicted mask."""
-        from ..trainable.io import area_fractions
+    def _summarise(self, image_id: str, store: PredictionStore) -> None:
+        counts, total = store.fractions()
+        self.predicted[image_id] = {
+            "model": store.model, "crf": bool(store.crf), "predicted": round(store.predicted, 4),
+            "complete": store.complete,
+            "fractions": {str(int(c)): (float(n) / total if total else 0.0) for c, n in zip(store.classes, counts)}}
 
-        classes = self.session.classes
-        counts, fractions = area_fractions(mask, [c["value"] for c in classes])
-        return [{"value": c["value"], "name": c["name"], "color": c["color"], "pixels": int(n), "fraction": float(f)}
-                for c, n, f in zip(classes, counts, fractions)]
+    def prediction_record(self, image_id: str) -> dict | None:
+        """The latest prediction of an image as the page shows it: model, CRF, the share of the image
+        predicted so far and the area fractions over that share (null before any)."""
+        summary = self.predicted.get(image_id)
+        if summary is None:
+            return None
+        names = {c["value"]: c for c in self.session.classes}
+        fractions = [{"value": int(v), "name": names.get(int(v), {}).get("name", f"class {v}"),
+                      "color": names.get(int(v), {}).get("color"), "fraction": f}
+                     for v, f in summary["fractions"].items()]
+        return {**summary, "fractions": fractions}
+
+    def fractions_of(self, store: PredictionStore) -> list[dict]:
+        """Pixels and area fraction of each class of the session in a (whole) prediction."""
+        counts, total = store.fractions()
+        by_value = dict(zip(store.classes.tolist(), counts.tolist()))
+        return [{"value": c["value"], "name": c["name"], "color": c["color"], "pixels": int(by_value.get(c["value"], 0)),
+                 "fraction": by_value.get(c["value"], 0) / total if total else 0.0} for c in self.session.classes]
 
     def colours(self) -> np.ndarray:
         """(256, 3) uint8: the colour of each label value (the session's class colours; 0 black)."""
@@ -367,22 +589,22 @@ class Engine:
             table[c["value"]] = _rgb(c["color"])
         return table
 
-    def prediction_png(self, prediction: dict) -> bytes:
-        mask = prediction["mask"]
+    def whole(self, store: PredictionStore, kind: str) -> np.ndarray:
+        """The full-resolution mask or uncertainty of a (complete) prediction."""
+        h, w = store.shape
+        return store.read(kind, 0, slice(0, h), slice(0, w))
+
+    def prediction_png(self, store: PredictionStore) -> bytes:
+        mask = self.whole(store, "mask")
         rgba = np.concatenate([self.colours()[mask], np.full(mask.shape + (1,), 255, np.uint8)], axis=-1)
         return png_bytes(rgba)
 
-    @staticmethod
-    def mask_png(prediction: dict) -> bytes:
-        return png_bytes(prediction["mask"].astype(np.uint8))
+    def mask_png(self, store: PredictionStore) -> bytes:
+        return png_bytes(self.whole(store, "mask"))
 
-    @staticmethod
-    def uncertainty_png(prediction: dict) -> bytes:
+    def uncertainty_png(self, store: PredictionStore) -> bytes:
         """1 − max probability, 255 at the most uncertain possible (1 − 1/K)."""
-        proba = prediction["proba"]
-        k = proba.shape[-1]
-        u = (1.0 - proba.max(-1)) / (1.0 - 1.0 / k)
-        return png_bytes((np.clip(u, 0, 1) * 255).round().astype(np.uint8))
+        return png_bytes(self.whole(store, "uncertainty"))
 
     def predict_all(self) -> Job:
         """Start a job predicting every image with the current model (in the background: what the
@@ -456,7 +678,8 @@ class Engine:
 
     def _save_job(self, job: Job, what, ids, model) -> None:
         """Labels first, then the model, then per image masks, overlays and fractions (the CSV is
-        rewritten after each image), checking for Cancel between images."""
+        rewritten after each image), checking for Cancel between images (and between the tiles of a
+        big image, whose outputs so far are then removed)."""
         from ..trainable import TrainableSegmenter
 
         written = []
@@ -479,10 +702,13 @@ class Engine:
         try:
             rows = []
             for image_id in ids if seg is not None else []:
-                if job.cancelled.is_set():
+                try:
+                    if job.cancelled.is_set():
+                        raise Cancelled("cancelled")
+                    self._save_image(image_id, what, seg, rows, job)
+                except Cancelled:
                     done = f"; {', '.join(written)} written" if written else ""
                     return job.finish("cancelled", f"cancelled after {job.done} of {job.total} images{done}")
-                self._save_image(image_id, what, seg, rows)
                 job.done += 1
             written += [w for w in ("masks", "overlays", "fractions") if w in what]
             job.finish("done", f"saved {', '.join(written)} to {self.out}")
@@ -490,27 +716,61 @@ class Engine:
             if private is not None:
                 shutil.rmtree(private, ignore_errors=True)
 
-    def _save_image(self, image_id: str, what, seg, rows: list) -> None:
+    def _save_image(self, image_id: str, what, seg, rows: list, job: Job) -> None:
         from PIL import Image
 
         from ..trainable.io import area_fractions, overlay, write_fractions_csv, write_mask
 
         entry = self.session.entry(image_id)
         image = self.session.read(image_id)
-        mask = seg.predict([image])[0]
-        if "masks" in what:
-            write_mask(self.out / "masks" / f"{image_id}_mask.png", mask, k=int(seg.classes_.max()))
-        if "overlays" in what:
-            rgb = overlay(seg.scale(image), mask, colours=self.colours())
-            (self.out / "overlays").mkdir(parents=True, exist_ok=True)
-            Image.fromarray(rgb).save(self.out / "overlays" / f"{image_id}_overlay.png")
+        if entry.chunked:
+            counts = self._save_streamed(image_id, image, what, seg, job)
+        else:
+            mask = seg.predict([image])[0]
+            counts = (area_fractions(mask, seg.classes_)[0], mask.size)
+            if "masks" in what:
+                write_mask(self.out / "masks" / f"{image_id}_mask.png", mask, k=int(seg.classes_.max()))
+            if "overlays" in what:
+                rgb = overlay(seg.scale(image), mask, colours=self.colours())
+                (self.out / "overlays").mkdir(parents=True, exist_ok=True)
+                Image.fromarray(rgb).save(self.out / "overlays" / f"{image_id}_overlay.png")
         if "fractions" in what:
-            rows.append((entry.name, (area_fractions(mask, seg.classes_)[0], mask.size)))
+            rows.append((entry.name, counts))
             names = {c["value"]: c["name"] for c in self.session.classes}
             csv = self.out / "area_fractions.csv"
             tmp = csv.with_name(f".{csv.name}.tmp")
             write_fractions_csv(tmp, [r[0] for r in rows], [r[1] for r in rows], seg.classes_, class_names=names)
             tmp.replace(csv)  # a Save stopped at any point leaves the rows of the images done
+
+    def _save_streamed(self, image_id: str, image, what, seg, job: Job) -> tuple[np.ndarray, int]:
+        """Mask (and overlay) of a big image written tile by tile as ``segment apply`` writes them: an
+        OME-Zarr pyramid for a zarr store, a tiled pyramidal BigTIFF for a TIFF (the CRF, when it is
+        on, as further passes); returns (pixels per class, pixels) for the area fractions."""
+        from ..chunked import is_zarr_path
+        from ..trainable.stream import segment_to_files
+
+        fmt = "ome-zarr" if is_zarr_path(self.session.entry(image_id).source) else "bigtiff"
+        folder = self.out / "masks" if "masks" in what else self.out / f".masks-{job.id}"
+
+        def on_tile(done, total):
+            if job.cancelled.is_set():
+                raise Cancelled("cancelled")
+
+        cache, seg.cache = seg.cache, PeekCache(self.cache, seg)
+        try:
+            result = segment_to_files(seg, image, folder, image_id, fmt, overlays="overlays" in what, progress=False,
+                                      colours=self.colours(), on_tile=on_tile)
+            for path in result.paths:  # overlays go where the other images' overlays go
+                if "_overlay." in path.name:
+                    (self.out / "overlays").mkdir(parents=True, exist_ok=True)
+                    target = self.out / "overlays" / path.name
+                    shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+                    path.rename(target)
+        finally:
+            seg.cache = cache
+            if "masks" not in what:
+                shutil.rmtree(folder, ignore_errors=True)
+        return result.counts, result.size
 
     def _name_classes(self, config: Path) -> None:
         """Add the class names and colours to an exported model's config.json (``segment apply``
@@ -522,16 +782,23 @@ class Engine:
 
     def _write_labels(self, ids) -> None:
         """Label images named after their image plus ``_labels`` (what ``segment train`` pairs): a PNG
-        per single image, a multi-page TIFF (a page per slice, 0 where unlabelled) per stack."""
+        per single image, a multi-page TIFF (a page per slice, 0 where unlabelled) per stack, and a
+        zarr label store per big image (only its labelled blocks written)."""
         import tifffile
+
+        from ..trainable.output_folder import image_stem
 
         folder = self.out / "labels"
         folder.mkdir(parents=True, exist_ok=True)
         sources = dict.fromkeys(self.session.entry(i).source for i in ids)
         for source in sources:
             stack_ids = [i for i, e in self.session.images.items() if e.source == source]
+            labels = self.session.label_image(stack_ids[0])
+            if isinstance(labels, SparseLabels):
+                labels.export(folder / f"{image_stem(source)}_labels.zarr")
+                continue
             if self.session.entry(stack_ids[0]).page is None:
-                write_atomic(folder / f"{source.stem}_labels.png", png_bytes(self.session.label_image(stack_ids[0])))
+                write_atomic(folder / f"{source.stem}_labels.png", png_bytes(labels))
                 continue
             pages = np.stack([self.session.label_image(i) for i in stack_ids])
             tifffile.imwrite(folder / f"{source.stem}_labels.tif", pages, photometric="minisblack")

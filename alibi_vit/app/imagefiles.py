@@ -8,6 +8,12 @@ tifffile's page headers) and refuses an image of more than ``max_pixels`` pixels
 also sets Pillow's own decompression-bomb limit (``PIL.Image.MAX_IMAGE_PIXELS``) to the same cap,
 so Pillow itself refuses anything past twice the cap even on a path that skipped the check.
 
+Big images are never read whole: zarr/OME-Zarr stores, and TIFFs (BigTIFF, pyramidal OME-TIFF)
+of one image of more than ``CHUNKED_PIXELS`` pixels (the size above which ``alibi-vit segment
+apply`` streams them too) are opened as chunked images (:func:`open_chunked`): their header and
+metadata are read, and later only the chunks a tile needs. The ``max_pixels`` cap is about decoding
+a whole image, so it does not apply to them.
+
 One session segments one kind of image: one bit depth, all grey or all colour. Its black and
 white points are fitted on the pooled pixels of its images, so an 8-bit image among 16-bit ones
 would be shown, and featurised, almost black, and a 16-bit one among 8-bit ones pure white.
@@ -21,10 +27,12 @@ import numpy as np
 
 from .errors import SessionError
 
-__all__ = ["DEFAULT_MAX_PIXELS", "STACK_IMAGES", "check_dimensions", "describe_kind", "pixel_kind", "read_images"]
+__all__ = ["CHUNKED_PIXELS", "DEFAULT_MAX_PIXELS", "STACK_IMAGES", "check_dimensions", "describe_kind",
+           "inspect_file", "open_chunked", "pixel_kind", "read_images"]
 
 DEFAULT_MAX_PIXELS = 1 << 26  # 67.1 Mpx (8192²): the classical features of one such image take ~17 GB
 STACK_IMAGES = 16  # a file may hold at most this many images of max_pixels pixels (a stack of pages)
+CHUNKED_PIXELS = 4096 * 4096  # a TIFF image larger than this is read chunk by chunk (as segment apply streams it)
 
 _DEPTHS = {"uint8": "8-bit", "uint16": "16-bit", "uint32": "32-bit", "int8": "8-bit signed", "int16": "16-bit signed",
            "int32": "32-bit signed", "float16": "16-bit float", "float32": "32-bit float", "float64": "64-bit float",
@@ -97,9 +105,70 @@ def read_images(path, max_pixels: int = DEFAULT_MAX_PIXELS) -> list[np.ndarray]:
     return pages
 
 
-def pixel_kind(image: np.ndarray) -> str:
-    """What one session's images must share: dtype, and grey or colour (e.g. ``"uint16 grey"``)."""
-    return f"{image.dtype.name} {'colour' if image.ndim == 3 else 'grey'}"
+def pixel_kind(image) -> str:
+    """What one session's images must share: dtype, and grey or colour (e.g. ``"uint16 grey"``), of
+    an array or a chunked image."""
+    from ..chunked import ChunkedImage
+
+    colour = image.channels > 1 if isinstance(image, ChunkedImage) else image.ndim == 3
+    return f"{image.dtype.name} {'colour' if colour else 'grey'}"
+
+
+def _chunked_candidate(path: Path):
+    """The chunked view of ``path`` when it is read chunk by chunk (a zarr store, or a TIFF of one image
+    larger than CHUNKED_PIXELS), else None. A zarr store that cannot be read is an ImageReadError;
+    a TIFF the chunked reader cannot take is left to the whole-file reader (and its messages)."""
+    from ..chunked import TIFF_SUFFIXES, is_zarr_path, open_image
+    from ..images import ImageReadError
+
+    if is_zarr_path(path):
+        return open_image(path)
+    if path.suffix.lower() not in TIFF_SUFFIXES:
+        return None
+    try:
+        image = open_image(path)
+    except ImageReadError:
+        return None
+    return image if image.planes == 1 and image.shape[0] * image.shape[1] > CHUNKED_PIXELS else None
+
+
+def open_chunked(path):
+    """The chunked view of an image the app reads chunk by chunk; a ValueError naming the problem
+    for a file that cannot be read so, or holds more than one 2D image (planes)."""
+    from ..images import ImageReadError
+
+    path = Path(path)
+    try:
+        image = _chunked_candidate(path)
+    except ImageReadError as err:
+        raise ValueError(str(err)) from None
+    if image is None:
+        raise ValueError(f"{path.name} is not read chunk by chunk (a zarr store, or a TIFF of more than "
+                         f"{_megapixels(CHUNKED_PIXELS)})")
+    if image.planes != 1:
+        raise ValueError(f"{path.name} holds {image.planes} planes (axes {image.axes}): the app opens 2D images; "
+                         "store one plane per image")
+    if image.channels not in (1, 3, 4):
+        raise ValueError(f"{path.name} has {image.channels} channels (axes {image.axes}): the app opens grey or "
+                         "RGB(A) images")
+    return image
+
+
+def inspect_file(path, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[list[tuple[tuple, str]], bool]:
+    """([(shape, pixel kind)] of each image in the file, whether it is read chunk by chunk). A file
+    read whole is decoded here (an unreadable one fails now); a chunked one only opened."""
+    from ..images import ImageReadError
+
+    path = Path(path)
+    try:
+        chunked = _chunked_candidate(path) is not None
+    except ImageReadError as err:
+        raise ValueError(str(err)) from None
+    if chunked:
+        image = open_chunked(path)
+        shape = image.shape + ((image.channels,) if image.channels > 1 else ())
+        return [(shape, pixel_kind(image))], True
+    return [(tuple(page.shape), pixel_kind(page)) for page in read_images(path, max_pixels)], False
 
 
 def describe_kind(kind: str) -> str:

@@ -30,6 +30,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import MutableHeaders
 
 from .engine import Engine
+from .pyramid import TILE
 from .session import MAX_POINTS, Session, SessionError, not_saved
 
 __all__ = ["MAX_JSON_BYTES", "STATIC", "TOKEN_COOKIE", "create_app"]
@@ -80,7 +81,14 @@ class ImageBody(_Body):
     image: str | None = Field(None, max_length=512)
 
 
-class PredictBody(ImageBody):
+Region = tuple[StrictInt | StrictFloat, StrictInt | StrictFloat, StrictInt | StrictFloat, StrictInt | StrictFloat]
+
+
+class TrainBody(ImageBody):
+    region: Region | None = None  # [top, left, bottom, right] in image px: what is on screen, predicted first
+
+
+class PredictBody(TrainBody):
     scope: Literal["image", "all"] = "image"
 
 
@@ -233,15 +241,12 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
     def image_record(image_id: str) -> dict:
         entry = session.entry(image_id)
         features = engine.feature_state(image_id)
-        predicted = engine.predicted.get(image_id)
         height, width = (entry.shape[:2] or (None, None))
         return {"id": image_id, "name": entry.name, "file": entry.source.name, "page": entry.page,
-                "width": width, "height": height, "kind": entry.kind,
+                "width": width, "height": height, "kind": entry.kind, "chunked": entry.chunked,
                 "features": features["state"], "progress": features["progress"], "error": features["error"],
                 "note": features.get("note"), "labelled": session.counts(image_id), "version": entry.version,
-                "prediction": None if predicted is None else {
-                    "model": predicted["model"], "crf": predicted["crf"],
-                    "fractions": {str(f["value"]): f["fraction"] for f in predicted["fractions"]}}}
+                "prediction": engine.predicted.get(image_id)}
 
     @app.get("/api/state")
     def state():
@@ -249,13 +254,19 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
                 "images": [image_record(i) for i in list(session.images)],
                 "settings": {**session.settings, "backbones": engine.backbones(),
                              "backbone_weights": engine.backbone_weights()},
-                "model": engine.model_state(), "notes": session.skipped + engine.notes,
+                "model": engine.model_state(), "notes": session.skipped + engine.notes, "tile": TILE,
                 "limits": {"max_upload_mb": max_upload_mb, "max_megapixels": session.max_pixels / 1e6}}
 
     # ---- images -----------------------------------------------------------------------------
     @app.get("/api/images/{image_id}/display.png")
     def display(image_id: str):
         return png(engine.display_png(image_id))
+
+    @app.get("/api/images/{image_id}/tiles/{layer}/{level}/{row}/{col}.png")
+    def tile(image_id: str, layer: Literal["image", "labels", "prediction", "uncertainty"], level: int, row: int,
+             col: int):
+        data, headers = engine.tile(image_id, layer, level, row, col)
+        return png(data, headers)
 
     @app.post("/api/images/{image_id}/open")
     def open_image(image_id: str):
@@ -333,8 +344,8 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
 
     # ---- train and predict -------------------------------------------------------------------
     @app.post("/api/train")
-    async def train(request: Request, body: ImageBody = Body(ImageBody())):
-        return await outcome(request, engine, engine.submit_train(body.image))
+    async def train(request: Request, body: TrainBody = Body(TrainBody())):
+        return await outcome(request, engine, engine.submit_train(body.image, body.region))
 
     @app.post("/api/predict")
     async def predict(request: Request, body: PredictBody):
@@ -342,13 +353,17 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
             return engine.predict_all().record()
         if body.image is None:
             raise SessionError('give {"image": ID} (or {"scope": "all"})')
-        result = await outcome(request, engine, engine.submit_prediction(body.image))
-        return {"model": engine.model_state(), "fractions": engine.fractions_of(result["mask"])}
+        if body.region is not None:
+            return {"model": engine.model_state(),
+                    "prediction": await outcome(request, engine, engine.submit_region(body.image, body.region))}
+        store = await outcome(request, engine, engine.submit_prediction(body.image))
+        return {"model": engine.model_state(), "fractions": engine.fractions_of(store)}
 
     async def rendered(request: Request, image_id: str, render):
-        prediction = await outcome(request, engine, engine.submit_prediction(image_id))
-        return png(await run_in_threadpool(render, prediction),
-                   {"X-Model": str(prediction["model"]), "X-CRF": "true" if prediction["crf"] else "false"})
+        engine.refuse_chunked(image_id, "prediction")
+        store = await outcome(request, engine, engine.submit_prediction(image_id))
+        return png(await run_in_threadpool(render, store),
+                   {"X-Model": str(store.model), "X-CRF": "true" if store.crf else "false"})
 
     @app.get("/api/images/{image_id}/prediction.png")
     async def prediction(request: Request, image_id: str):
@@ -364,8 +379,8 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
 
     @app.get("/api/images/{image_id}/fractions")
     async def fractions(request: Request, image_id: str):
-        result = await outcome(request, engine, engine.submit_prediction(image_id))
-        return {"classes": engine.fractions_of(result["mask"])}
+        store = await outcome(request, engine, engine.submit_prediction(image_id))
+        return {"classes": engine.fractions_of(store)}
 
     # ---- save -------------------------------------------------------------------------------
     @app.post("/api/save")

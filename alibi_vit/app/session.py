@@ -2,12 +2,16 @@
 
 Layout (human-readable, so a user can leave the app and go on with ``alibi-vit segment``)::
 
-    session.json          classes (value, name, colour), images (id, source file, page, pixel kind),
-                          settings, the intensity range fitted on the session's images
+    session.json          classes (value, name, colour), images (id, source file, page, pixel kind,
+                          whether it is read chunk by chunk), settings, the intensity range fitted
+                          on the session's images
     labels/<id>.png       the label image: 0 = unlabelled, 1..K = class values (Weka/ilastik convention)
+    labels/<id>.zarr      ... of a big image (read chunk by chunk): a zarr array of which only the
+                          512² blocks that hold a label exist (:mod:`~alibi_vit.app.labels`)
     strokes/<id>.json     the strokes drawn on the image, in order, and those undone (for redo)
     uploads/              images uploaded through the page
     model/                the last trained model (written by the engine)
+    cache/                display levels and predictions of big images (the engine's; disposable)
     export/               what Save writes (unless the app was given --out)
 
 Every change is written before it takes effect: a change whose file cannot be written (a full
@@ -36,11 +40,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ..trainable.output_folder import image_stem
 from .errors import SessionError
-from .imagefiles import DEFAULT_MAX_PIXELS, describe_kind, pixel_kind, read_images
+from .imagefiles import DEFAULT_MAX_PIXELS, describe_kind, inspect_file, open_chunked, pixel_kind, read_images
+from .labels import SparseLabels
 
-__all__ = ["DEFAULT_COLOURS", "ImageEntry", "Session", "SessionError", "not_saved", "png_bytes", "rasterise_stroke",
-           "remember", "stroke_work", "write_atomic"]
+__all__ = ["DEFAULT_COLOURS", "ImageEntry", "Session", "SessionError", "not_saved", "painted", "png_bytes",
+           "rasterise_stroke", "remember", "stroke_footprint", "stroke_work", "write_atomic"]
 
 FORMAT = 1
 MAX_CLASSES = 255  # label images are 8-bit
@@ -128,15 +134,14 @@ def stroke_work(shape, points, radius: float) -> int:
     return total
 
 
-def stroke_footprint(shape, points, radius: float) -> tuple[int, int, np.ndarray]:
-    """(row, column, mask): the pixels of an image of ``shape`` whose centre lies within ``radius``
-    of the polyline through ``points`` ((x, y) = (column, row) in pixels; one point paints a disc),
-    as a boolean mask placed at (row, column)."""
-    boxes = [(a, b, _segment_box(a, b, radius, shape)) for a, b in _segments(points)]
-    top, left = min(box[0] for _, _, box in boxes), min(box[2] for _, _, box in boxes)
-    bottom, right = max(box[1] for _, _, box in boxes), max(box[3] for _, _, box in boxes)
-    mask = np.zeros((max(bottom - top, 0), max(right - left, 0)), bool)
-    for a, b, (r0, r1, c0, c1) in boxes:
+def stroke_footprint(shape, points, radius: float) -> list[tuple[int, int, np.ndarray]]:
+    """The pixels of an image of ``shape`` whose centre lies within ``radius`` of the polyline
+    through ``points`` ((x, y) = (column, row) in pixels; one point paints a disc), as pieces
+    (row, column, boolean mask placed there), one per segment: a long stroke across a big image
+    costs its segments' boxes, not the box around it all."""
+    pieces = []
+    for a, b in _segments(points):
+        r0, r1, c0, c1 = _segment_box(a, b, radius, shape)
         if c0 >= c1 or r0 >= r1:
             continue
         yy, xx = np.mgrid[r0:r1, c0:c1]
@@ -144,29 +149,38 @@ def stroke_footprint(shape, points, radius: float) -> tuple[int, int, np.ndarray
         length2 = float(d @ d)
         t = np.zeros(xx.shape) if length2 == 0 else np.clip(((xx - a[0]) * d[0] + (yy - a[1]) * d[1]) / length2, 0, 1)
         dist2 = (xx - a[0] - t * d[0]) ** 2 + (yy - a[1] - t * d[1]) ** 2
-        mask[r0 - top:r1 - top, c0 - left:c1 - left] |= dist2 <= radius * radius
-    return top, left, mask
+        pieces.append((r0, c0, dist2 <= radius * radius))
+    return pieces
 
 
-def _paint(labels: np.ndarray, footprint, value: int) -> None:
-    row, col, mask = footprint
-    labels[row:row + mask.shape[0], col:col + mask.shape[1]][mask] = value
+def painted(labels, pieces, value: int):
+    """A copy of ``labels`` (an array or :class:`~alibi_vit.app.labels.SparseLabels`) with ``value``
+    painted on the pieces of :func:`stroke_footprint`; ``labels`` itself is left as it is."""
+    if isinstance(labels, SparseLabels):
+        return labels.painted(pieces, value)
+    out = labels.copy()
+    for row, col, mask in pieces:
+        out[row:row + mask.shape[0], col:col + mask.shape[1]][mask] = value
+    return out
 
 
 def rasterise_stroke(labels: np.ndarray, points, radius: float, value: int) -> None:
     """Paint ``value`` into ``labels`` on every pixel whose centre lies within ``radius`` of the
     polyline through ``points`` ((x, y) = (column, row) in pixels; one point paints a disc)."""
-    _paint(labels, stroke_footprint(labels.shape, points, radius), value)
+    for row, col, mask in stroke_footprint(labels.shape, points, radius):
+        labels[row:row + mask.shape[0], col:col + mask.shape[1]][mask] = value
 
 
 @dataclass
 class ImageEntry:
-    """One image of the session: a file, or one page of a multi-page TIFF."""
+    """One image of the session: a file, or one page of a multi-page TIFF. ``chunked``: a big image
+    (a zarr store, a BigTIFF), read chunk by chunk and never whole."""
     id: str
     source: Path
     page: int | None = None
     shape: tuple = ()  # (H, W) or (H, W, C)
     kind: str | None = None  # pixel kind, e.g. "uint16 grey" (imagefiles.pixel_kind)
+    chunked: bool = False
     strokes: list = field(default_factory=list)
     undone: list = field(default_factory=list)
     version: int = 0
@@ -177,7 +191,7 @@ class ImageEntry:
 
     def record(self) -> dict:
         return {"id": self.id, "source": str(self.source), "page": self.page, "shape": list(self.shape),
-                "kind": self.kind}
+                "kind": self.kind, "chunked": self.chunked}
 
 
 def _check_number(value, what: str) -> float:
@@ -237,7 +251,7 @@ class Session:
             self.kind = state.get("kind")
             for rec in state["images"]:
                 entry = ImageEntry(rec["id"], Path(rec["source"]), rec.get("page"), tuple(rec.get("shape") or ()),
-                                   rec.get("kind"))
+                                   rec.get("kind"), bool(rec.get("chunked", False)))
                 strokes = self.folder / "strokes" / f"{entry.id}.json"
                 if strokes.is_file():
                     saved = json.loads(strokes.read_text())
@@ -260,22 +274,31 @@ class Session:
         except OSError as err:
             raise not_saved(what, self.folder, err) from None
 
-    def _commit_labels(self, entry: ImageEntry, strokes: list, undone: list, labels: np.ndarray, what: str) -> None:
+    def _write_label_copy(self, entry: ImageEntry, labels, before) -> None:
+        """The label image in the folder: a PNG, or for a big image the blocks that changed since
+        ``before`` in its zarr store."""
+        if isinstance(labels, SparseLabels):
+            labels.write(self.folder / "labels" / f"{entry.id}.zarr", before)
+        else:
+            write_atomic(self.folder / "labels" / f"{entry.id}.png", png_bytes(labels))
+
+    def _commit_labels(self, entry: ImageEntry, strokes: list, undone: list, labels, what: str) -> None:
         """Write an image's new labels and strokes, then make them the session's (version + 1).
 
-        The label PNG goes first: the strokes file is what a restart replays, so when the PNG cannot
-        be written nothing has changed, and when the strokes file cannot be, the old PNG is put back."""
+        The label image goes first: the strokes file is what a restart replays, so when the label
+        image cannot be written nothing has changed, and when the strokes file cannot be, the old
+        label image is put back."""
         version = entry.version + 1
-        png = self.folder / "labels" / f"{entry.id}.png"
+        before = self.labels.get(entry.id)
         try:
-            write_atomic(png, png_bytes(labels))
+            self._write_label_copy(entry, labels, before)
             try:
                 write_atomic(self.folder / "strokes" / f"{entry.id}.json",
                              json.dumps({"version": version, "strokes": strokes, "undone": undone}).encode())
             except OSError:
-                if entry.id in self.labels:
+                if before is not None:
                     try:
-                        write_atomic(png, png_bytes(self.labels[entry.id]))
+                        self._write_label_copy(entry, before, labels)
                     except OSError:
                         pass  # the strokes file, not this copy, is what a restart reads
                 raise
@@ -302,9 +325,10 @@ class Session:
             candidate, n = f"{base}_{n}", n + 1
         return candidate
 
-    def _inspect(self, path: Path) -> list[tuple[tuple, str]]:
-        """(shape, pixel kind) of each image in a file (read in full: an unreadable file fails here)."""
-        return [(tuple(page.shape), pixel_kind(page)) for page in read_images(path, self.max_pixels)]
+    def _inspect(self, path: Path) -> tuple[list[tuple[tuple, str]], bool]:
+        """([(shape, pixel kind)] of each image in a file, whether it is read chunk by chunk): a file
+        read whole is read in full (an unreadable one fails here), a big one only opened."""
+        return inspect_file(path, self.max_pixels)
 
     def _session_kind(self) -> str | None:
         """The kind the session's images share (that of its first image in sessions that did not record it)."""
@@ -326,16 +350,16 @@ class Session:
                             "segments images of one kind (one intensity scale is fitted on them); open it in a session "
                             "of its own (alibi-vit app … --session OTHER_DIR)")
 
-    def _admit(self, found: list[tuple[Path, list]]) -> tuple[list[str], list[SessionError]]:
-        """Add the inspected files ``found`` [(path, [(shape, kind), ...])] whose kind fits the session;
-        returns (new ids, why the others were refused). Caller holds the lock."""
+    def _admit(self, found: list[tuple[Path, tuple]]) -> tuple[list[str], list[SessionError]]:
+        """Add the inspected files ``found`` [(path, ([(shape, kind), ...], chunked))] whose kind fits
+        the session; returns (new ids, why the others were refused). Caller holds the lock."""
         entries, refused = {}, []
         known = {(e.source, e.page) for e in self.images.values()}
         kind = self._session_kind()
         chosen = kind is None
         if chosen and found:  # a new session takes the kind most of its first images share
-            kind = Counter(k for _, pages in found for _, k in pages).most_common(1)[0][0]
-        for path, pages in found:
+            kind = Counter(k for _, (pages, _) in found for _, k in pages).most_common(1)[0][0]
+        for path, (pages, chunked) in found:
             if (path, None) in known or (path, 0) in known:
                 continue
             reason = self._kind_refusal(path.name, pages[0][1], kind, chosen)
@@ -343,9 +367,9 @@ class Session:
                 refused.append(reason)
                 continue
             for i, (shape, page_kind) in enumerate(pages):
-                stem = path.stem if len(pages) == 1 else f"{path.stem}_z{i:03d}"
+                stem = image_stem(path) if len(pages) == 1 else f"{image_stem(path)}_z{i:03d}"
                 entry = ImageEntry(self._unique_id(stem, {**self.images, **entries}), path,
-                                   None if len(pages) == 1 else i, shape, page_kind)
+                                   None if len(pages) == 1 else i, shape, page_kind, chunked)
                 entries[entry.id] = entry
         if entries:
             images = {**self.images, **entries}
@@ -428,9 +452,9 @@ class Session:
             except OSError as err:
                 raise not_saved(f"the upload {target.name}", folder, err) from None
         try:
-            pages = self._inspect(target)
+            inspected = self._inspect(target)
             with self.lock:
-                ids, refused = self._admit([(target, pages)])
+                ids, refused = self._admit([(target, inspected)])
             if refused:
                 raise refused[0]
         except SessionError:
@@ -449,8 +473,9 @@ class Session:
             raise SessionError(f"no image {image_id!r} in this session", status=404)
         return self.images[image_id]
 
-    def read(self, image_id: str) -> np.ndarray:
-        """The image's pixels as stored (one page of a stack); the last few read stay in memory."""
+    def read(self, image_id: str):
+        """The image's pixels as stored (one page of a stack), the last few read kept in memory; for
+        a big image its chunked view (:class:`~alibi_vit.chunked.ChunkedImage`: nothing read yet)."""
         entry = self.entry(image_id)
         with self.lock:
             if image_id in self._read:
@@ -460,13 +485,14 @@ class Session:
             raise SessionError(f"image {entry.name} is not read: {entry.source} now leads to "
                                f"{entry.source.resolve()} (a symbolic link)", status=403)
         try:
-            pages = read_images(entry.source, self.max_pixels)
+            image = open_chunked(entry.source) if entry.chunked else \
+                read_images(entry.source, self.max_pixels)[entry.page or 0]
         except SessionError:
             raise
         except (OSError, ValueError) as err:
             raise SessionError(f"image {entry.name} cannot be read: {err}", status=409) from None
         with self.lock:
-            return remember(self._read, image_id, pages[entry.page or 0], KEEP_READ)
+            return remember(self._read, image_id, image, KEEP_READ)
 
     # ---- classes --------------------------------------------------------------------------
     def _check_name(self, name, value=None) -> str:
@@ -520,29 +546,44 @@ class Session:
             return cls
 
     # ---- labels ---------------------------------------------------------------------------
-    def label_image(self, image_id: str) -> np.ndarray:
-        """The image's labels (uint8, 0 = unlabelled), replayed from its strokes on first use."""
+    def label_image(self, image_id: str):
+        """The image's labels (uint8, 0 = unlabelled), replayed from its strokes on first use: an
+        array, or for a big image :class:`~alibi_vit.app.labels.SparseLabels` (only the blocks that
+        hold a label). Replaced on every change, never written in place."""
         with self.lock:
             if image_id not in self.labels:
                 entry = self.entry(image_id)
                 if not entry.shape:
                     entry.shape = tuple(self.read(image_id).shape)
-                self.labels[image_id] = self._replay(entry.shape, entry.strokes)
+                self.labels[image_id] = self._replay(entry, entry.strokes)
             return self.labels[image_id]
 
     @staticmethod
-    def _replay(shape, strokes) -> np.ndarray:
-        labels = np.zeros(shape[:2], np.uint8)
+    def _replay(entry: ImageEntry, strokes):
+        if entry.chunked:
+            labels = SparseLabels(entry.shape[:2])
+            for s in strokes:
+                labels = labels.painted(stroke_footprint(entry.shape[:2], s["points"], s["radius"]),
+                                        0 if s["erase"] else s["class"])
+            return labels
+        labels = np.zeros(entry.shape[:2], np.uint8)
         for s in strokes:
             rasterise_stroke(labels, s["points"], s["radius"], 0 if s["erase"] else s["class"])
         return labels
 
+    def labels_and_version(self, image_id: str) -> tuple:
+        """(labels, label version) read together (a stroke may be committing on another thread)."""
+        with self.lock:
+            return self.label_image(image_id), self.entry(image_id).version
+
     def label_png(self, image_id: str) -> tuple[bytes, int]:
         """The label image as PNG and the label version it shows (encoded outside the lock: a 4096²
         label image takes a while, and the state the page polls needs the lock)."""
-        with self.lock:
-            labels, version = self.label_image(image_id), self.entry(image_id).version
-        return png_bytes(labels), version  # label arrays are replaced on change, never written in place
+        labels, version = self.labels_and_version(image_id)
+        if isinstance(labels, SparseLabels):
+            raise SessionError(f"{self.entry(image_id).name} is read chunk by chunk: its labels are sent as tiles "
+                               "(/api/images/{id}/tiles/labels/...)", status=413)
+        return png_bytes(labels), version
 
     def counts(self, image_id: str) -> dict:
         """Labelled pixels per class value ({"1": n, ...}); kept per label version (the page polls
@@ -556,7 +597,9 @@ class Session:
         with self.lock:
             cached = self._counts.get(image_id)
             if cached is None or cached[0] != entry.version:
-                counts = np.bincount(self.label_image(image_id).ravel(), minlength=MAX_CLASSES + 1)
+                labels = self.label_image(image_id)
+                counts = labels.counts() if isinstance(labels, SparseLabels) else \
+                    np.bincount(labels.ravel(), minlength=MAX_CLASSES + 1)
                 cached = self._counts[image_id] = (entry.version, {str(v): int(n) for v, n in enumerate(counts) if v and n})
             return cached[1]
 
@@ -592,8 +635,7 @@ class Session:
         # the footprint does not depend on the labels, so strokes arriving meanwhile commute with it.
         footprint = stroke_footprint(entry.shape[:2], stroke["points"], stroke["radius"])
         with self.lock:
-            labels = self.label_image(image_id).copy()
-            _paint(labels, footprint, 0 if stroke["erase"] else stroke["class"])
+            labels = painted(self.label_image(image_id), footprint, 0 if stroke["erase"] else stroke["class"])
             self._commit_labels(entry, entry.strokes + [stroke], [], labels, "the stroke")
             return entry.version
 
@@ -614,7 +656,7 @@ class Session:
             source, target = source[:-1], target + [source[-1]]
             strokes, undone = (target, source) if redo else (source, target)
             self.label_image(image_id)
-            self._commit_labels(entry, strokes, undone, self._replay(entry.shape, strokes), f"the {which}")
+            self._commit_labels(entry, strokes, undone, self._replay(entry, strokes), f"the {which}")
             return entry.version
 
     def labelled_ids(self) -> list[str]:
@@ -634,8 +676,10 @@ class Session:
 
     def fix_intensity(self) -> tuple[float, float]:
         """The session's intensity range and colour handling, fitted once on its images (at most
-        INTENSITY_SAMPLE of them, evenly spaced): what the features of every image are computed with,
-        so opening an image can compute them at once."""
+        INTENSITY_SAMPLE of them, evenly spaced; of a big image, a seeded sample of its tiles of about
+        a megapixel): what the features of every image are computed with, so opening an image can
+        compute them at once."""
+        from ..chunked import ChunkedImage, sample_tiles
         from ..images import fit_intensity_range
 
         with self.lock:
@@ -645,6 +689,7 @@ class Session:
                 ids = list(self.images)
                 ids = [ids[i] for i in np.linspace(0, len(ids) - 1, min(len(ids), INTENSITY_SAMPLE)).round().astype(int)]
                 arrays = [self.read(i) for i in ids]
+                arrays = [sample_tiles(a)[0] if isinstance(a, ChunkedImage) else a for a in arrays]
                 colour = "channels" if len({a.ndim for a in arrays}) == 1 else "grey"
                 intensity_range = list(fit_intensity_range(arrays, colour=colour == "channels"))
                 self._save("the intensity range", intensity_range=intensity_range, colour=colour)

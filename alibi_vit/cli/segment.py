@@ -10,6 +10,12 @@ TIFFs above 16.8 megapixels and zarr/OME-Zarr stores are read lazily and segment
 their results written as OME-Zarr or tiled BigTIFF with pyramids (``--out-format``); training on
 them reads only the tiles that hold labels.
 
+Volumes (multi-page TIFF stacks, zarr/OME-Zarr with a z axis, and with ``--slice-folders``
+folders of numbered slices) are segmented on 3D features (``--features 3d``, what ``auto`` picks
+for them) block by block, with the voxel spacing from their metadata or ``--spacing Z,Y,X``, into
+mask stacks or OME-Zarr and one CSV row per volume; ``--features 2d`` segments them slice by slice
+with a model of 2D images, as before.
+
 Label images hold 0 for unlabelled pixels and a value per class, usually 1..K (single-channel or
 palette PNG/TIFF, the Weka/ilastik convention; JPEG is refused; multi-page TIFF stacks slice by slice); a label file pairs with the image of the same name, or of
 the same name plus ``_labels``/``_label``/``_mask``/``_masks``/``_gt``.
@@ -44,6 +50,7 @@ ACTIONS = {
                  "accuracy, spread over seeds); otherwise test mIoU per round of generated scribbles",
 }
 LABEL_SUFFIXES = ("", "_labels", "_label", "_mask", "_masks", "_gt", "-labels", "-mask")
+FEATURE_MODES = ("auto", "2d", "3d")
 OUT_FORMATS = ("auto", "png", "tif", "ome-zarr", "bigtiff")
 STREAMED_FORMATS = ("ome-zarr", "bigtiff")
 # Larger images (and zarr stores) are read lazily and segmented tile by tile; smaller ones are read whole.
@@ -66,6 +73,27 @@ def _add_backbone_arguments(p, several: bool):
     p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="architecture override passed to timm, e.g. depth=2")
     p.add_argument("--device", default=None, help="where the backbone runs (default: cuda if available, else cpu)")
+
+
+def _add_volume_arguments(p):
+    p.add_argument("--spacing", type=_spacing, default=None, metavar="Z,Y,X",
+                   help="voxel spacing of the volumes (any unit, e.g. 5,1,1 for slices five times thicker than their "
+                        "pixels): the 3D filters' σ are scaled per axis; overrides the files' metadata (default: the "
+                        "metadata, else the model's, else isotropic)")
+    p.add_argument("--slice-folders", action="store_true",
+                   help="each folder given to --images (and --labels) is one volume: its numbered image files "
+                        "(TIFF, PNG, BMP) are the slices, in the order of the last number in their names")
+
+
+def _spacing(text: str) -> tuple[float, float, float]:
+    """``Z,Y,X`` → three positive floats (an argparse type: a bad value is a one-line error)."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected three numbers Z,Y,X, got {text!r}") from None
+    if len(values) != 3 or not all(np.isfinite(v) and v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected three positive numbers Z,Y,X, got {text!r}")
+    return values
 
 
 def _add_common(p, several: bool = False):
@@ -100,9 +128,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="label images: 0 = unlabelled, 1..K = classes, paired with the images by file name")
     _add_backbone_arguments(t, several=False)
     _add_common(t)
-    t.add_argument("--features", default=None, metavar="MODULE:FUNCTION",
-                   help="user feature hook: a function taking the scaled image ((H, W) or (H, W, 3) floats in "
-                        "[0, 1]) and returning (H, W, F) features; stored by import path, never pickled")
+    t.add_argument("--features", default="auto", metavar="{auto,2d,3d}",
+                   help="auto (default): volumes (multi-page TIFFs, zarr with a z axis, --slice-folders) on 3D "
+                        "features, 2D images on 2D features; 3d: require volumes; 2d: volumes slice by slice with "
+                        "2D features (the behaviour before volumes had 3D features)")
+    t.add_argument("--feature-fn", default=None, metavar="MODULE:FUNCTION",
+                   help="user feature hook for 2D images: a function taking the scaled image ((H, W) or (H, W, 3) "
+                        "floats in [0, 1]) and returning (H, W, F) features; stored by import path, never pickled "
+                        "(formerly --features MODULE:FUNCTION)")
+    _add_volume_arguments(t)
     t.add_argument("--modal", type=at_least(0), default=0, metavar="N",
                    help="majority (modal) filter of odd window N px on the masks (default 0: none)")
     t.add_argument("--colour", choices=("channels", "grey"), default="channels",
@@ -140,6 +174,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--modal", type=at_least(0), default=None, metavar="N",
                    help="majority filter of odd window N px (0: none; default: as the model was trained)")
     a.add_argument("--device", default=None, help="where a ViT backbone runs (default: cuda if available, else cpu)")
+    a.add_argument("--features", choices=FEATURE_MODES, default="auto",
+                   help="auto (default): as the model was trained; 2d: a model of 2D images segments volumes slice "
+                        "by slice (without it, giving it a volume is an error); 3d: require a volume model")
+    _add_volume_arguments(a)
     _add_scale_out_arguments(a)
     m = sub.add_parser("merge", help=ACTIONS["merge"], description=ACTIONS["merge"])
     m.add_argument("out", type=Path, metavar="OUT",
@@ -218,12 +256,21 @@ def _add_scale_out_arguments(a) -> None:
                         "job_script_prologue, ...); the --slurm-* options given override it")
 
 
+def _stems(path: Path) -> list[str]:
+    """The names a label file may be named after: the file name without its last suffix, and without
+    its image suffixes (``a.ome.zarr`` → ``a.ome``, ``a``: the app exports ``a_labels.zarr``)."""
+    from ..trainable.output_folder import image_stem
+
+    return list(dict.fromkeys([path.stem, image_stem(path)]))
+
+
 def _pair(images, labels, what="labels"):
     """Pair image files with label files by name (see the module docstring)."""
     by_stem = {p.stem: p for p in labels}
     pairs, missing = [], []
     for img in images:
-        match = next((by_stem[img.stem + s] for s in LABEL_SUFFIXES if img.stem + s in by_stem), None)
+        match = next((by_stem[stem + s] for stem in _stems(img) for s in LABEL_SUFFIXES if stem + s in by_stem),
+                     None)
         (pairs.append((img, match)) if match is not None else missing.append(img.name))
     if missing:
         raise ValueError(f"no {what} file for image(s) {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''} "
@@ -242,7 +289,7 @@ def _image_label_pairs(image_sources, label_sources, what="labels"):
     label_files = list_image_files(label_sources)
     image_files = list_image_files(image_sources)
     shared = set(image_files) & set(label_files)
-    stems = {p.stem for p in image_files}
+    stems = {stem for p in image_files for stem in _stems(p)}
     suffixes = [s for s in LABEL_SUFFIXES if s]
 
     def is_label(p):
@@ -250,7 +297,7 @@ def _image_label_pairs(image_sources, label_sources, what="labels"):
 
     images = [p for p in image_files if not (p in shared and is_label(p))]
     labels = [p for p in label_files if p not in shared or is_label(p)]
-    paired_stems = {p.stem + s for p in images for s in LABEL_SUFFIXES}
+    paired_stems = {stem + s for p in images for stem in _stems(p) for s in LABEL_SUFFIXES}
     orphans = [p.name for p in labels if p.stem not in paired_stems]
     if orphans:
         warnings.warn(f"{len(orphans)} {what} file(s) match no image and are not used: "
@@ -288,20 +335,68 @@ def _classifier_params(args):
     return {} if args.trees is None else {"n_estimators": args.trees}
 
 
+def _feature_modes(args) -> str:
+    """The --features mode; a MODULE:FUNCTION value is the user hook's former spelling (--feature-fn)."""
+    if args.features not in FEATURE_MODES:
+        if ":" not in args.features:
+            raise ValueError(f"--features must be one of {', '.join(FEATURE_MODES)}, got {args.features!r}")
+        if args.feature_fn is not None:
+            raise ValueError("give the feature hook once: --feature-fn MODULE:FUNCTION")
+        print(f"note: --features {args.features} is read as --feature-fn {args.features} (its name now)",
+              file=sys.stderr)
+        args.feature_fn, args.features = args.features, "auto"
+    return args.features
+
+
+def _is_volume_input(path: Path, slice_folders: bool) -> bool:
+    """Whether an --images entry is a volume: a slice folder (with --slice-folders), or a TIFF or zarr
+    whose planes lie along z (metadata only is read)."""
+    from ..chunked import TIFF_SUFFIXES, is_zarr_path, open_image
+
+    if path.is_dir() and not is_zarr_path(path):
+        return slice_folders
+    if is_zarr_path(path) or path.suffix.lower() in TIFF_SUFFIXES:
+        return open_image(path).is_volume
+    return False
+
+
+def _volume_pairs(args):
+    """(volume, labels) pairs with --slice-folders: every --images entry is one volume (a folder of
+    slices, or a stack file); --labels entries (folders or files) pair with them by name."""
+    images, labels = [Path(p) for p in args.images], [Path(p) for p in args.labels]
+    for p in images + labels:
+        if not p.exists():
+            raise FileNotFoundError(f"{p} is neither an image file nor a folder")
+    return _pair(images, labels)
+
+
 def _train(args) -> int:
     from ..images import read_array
     from ..trainable import TrainableSegmenter, read_labels
-    from ..trainable.io import as_label_image, read_slices
+    from ..trainable.io import as_label_image
 
     if args.backbone is None and args.checkpoint:
         raise ValueError("--checkpoint needs --backbone NAME")
+    features = _feature_modes(args)
     backbone_kwargs = {}
     if args.backbone is not None:
         checkpoints = _check_backbone_weights(args, [args.backbone])
         backbone_kwargs = dict(checkpoint=checkpoints.get(args.backbone), model_kwargs=parse_model_args(args.model_arg),
                                pretrained=args.pretrained and args.backbone not in checkpoints)
-    pairs = _image_label_pairs(args.images, args.labels)
+    pairs = _volume_pairs(args) if args.slice_folders else _image_label_pairs(args.images, args.labels)
     check_folder_path(args.out)
+    volumes = [_is_volume_input(img, args.slice_folders) for img, _ in pairs]
+    if features == "auto" and any(volumes) and not all(volumes):
+        flat = next(img for (img, _), v in zip(pairs, volumes) if not v)
+        raise ValueError(f"the training set mixes volumes and 2D images ({flat.name} is 2D): train volumes and 2D "
+                         "images separately, or segment the volumes slice by slice with --features 2d")
+    if features == "3d" or (features == "auto" and any(volumes)):
+        if not all(volumes):
+            flat = next(img for (img, _), v in zip(pairs, volumes) if not v)
+            raise ValueError(f"--features 3d trains on volumes, but {flat} is a 2D image")
+        return _train_volumes(args, pairs, backbone_kwargs)
+    if args.spacing is not None:
+        raise ValueError("--spacing is for volumes on 3D features; these images are trained on 2D features")
     images, labels = [], []
     for img, lab in tqdm(pairs, desc="read", disable=len(pairs) < 2):
         view = _image_format(img, "auto")[1]
@@ -309,7 +404,7 @@ def _train(args) -> int:
             images.append(view)
             labels.append(_lazy_labels(lab))
             continue
-        stack, label_stack = read_slices(img), read_slices(lab)
+        stack, label_stack = _slices(img), _slices(lab)
         if stack is None and label_stack is None:
             images.append(read_array(img))  # as stored: the segmenter scales them (and fits the range)
             labels.append(read_labels(lab, images[-1].shape[:2]))
@@ -325,7 +420,7 @@ def _train(args) -> int:
                              classifier_params=_classifier_params(args),
                              intensity=args.intensity, device=args.device, seed=args.seed, progress=True,
                              filters=args.filters,
-                             colour=args.colour, feature_fn=args.features, modal=args.modal, **backbone_kwargs)
+                             colour=args.colour, feature_fn=args.feature_fn, modal=args.modal, **backbone_kwargs)
     seg.fit(images, labels)
     seg.save(args.out)
     if seg.intensity_note:
@@ -333,6 +428,39 @@ def _train(args) -> int:
     counts = seg.label_counts_
     print(f"trained on {len(images)} image(s), {sum(counts.values())} labelled pixels in classes "
           + ", ".join(f"{c}: {n}" for c, n in counts.items()) + f"; model written to {args.out}")
+    return 0
+
+
+def _slices(path: Path):
+    """The slices of a stack (a multi-page TIFF, or a folder of numbered slices), or None for one image."""
+    from ..trainable.batch import read_stack
+
+    return read_stack(path)
+
+
+def _train_volumes(args, pairs, backbone_kwargs) -> int:
+    """segment train on volumes: a VolumeSegmenter on 3D features, the volumes and labels read lazily."""
+    from ..chunked import open_volume
+    from ..trainable import VolumeSegmenter
+
+    if args.crf:
+        raise ValueError("--crf (the dense CRF) is for 2D images; for volumes use --modal N (a 3D majority filter)")
+    if args.filters != DEFAULT_FILTERS:
+        print(f"note: --filters {args.filters} is a 2D filter set; volumes take the 3D filter bank", file=sys.stderr)
+    images = [open_volume(img) for img, _ in tqdm(pairs, desc="open", disable=len(pairs) < 2)]
+    labels = [open_volume(lab) for _, lab in pairs]
+    seg = VolumeSegmenter(args.backbone, args.classifier, n_components=args.components,
+                          classifier_params=_classifier_params(args), intensity=args.intensity, device=args.device,
+                          seed=args.seed, progress=True, spacing=args.spacing, feature_fn=args.feature_fn,
+                          modal=args.modal, **backbone_kwargs)
+    seg.fit(images, labels)
+    seg.save(args.out)
+    if seg.intensity_note:
+        print(f"note: {seg.intensity_note}", file=sys.stderr)
+    counts = seg.label_counts_
+    spacings = ", ".join(f"{im.name}: {','.join(f'{v:g}' for v in seg.spacing_of(im))}" for im in images)
+    print(f"trained on {len(images)} volume(s) (voxel spacing z,y,x {spacings}), {sum(counts.values())} labelled "
+          "voxels in classes " + ", ".join(f"{c}: {n}" for c, n in counts.items()) + f"; model written to {args.out}")
     return 0
 
 
@@ -375,10 +503,12 @@ def _apply_inputs(args):
 
     files, sources, relative = [], [], []
     for src in args.images:
-        for f in list_image_files([src], recursive=args.recursive):
+        for f in [Path(src)] if args.slice_folders else list_image_files([src], recursive=args.recursive):
+            if not f.exists():
+                raise FileNotFoundError(f"{f} is neither an image file nor a folder")
             files.append(f)
             sources.append(Path(src))
-            relative.append(f.relative_to(src) if Path(src).is_dir() else Path(f.name))
+            relative.append(f.relative_to(src) if Path(src).is_dir() and f != Path(src) else Path(f.name))
     names, notes = output_names(files, sources, relative)  # over every input, so each share names alike
     for note in notes:
         warnings.warn(note)
@@ -389,14 +519,13 @@ def _check_channels_once(seg, files, kinds) -> None:
     """A colour model given grayscale images (or the reverse) fails before any work: the first
     readable image is read for that (twice in all), so the error is one clean line."""
     from ..images import read_array
-    from ..trainable.io import read_slices
 
     for path in files:
         kind = kinds[path]
         if isinstance(kind, Exception):
             continue
         try:
-            first = kind[1] if kind[1] is not None else (read_slices(path) or [read_array(path)])[0]
+            first = kind[1] if kind[1] is not None else (_slices(path) or [read_array(path)])[0]
         except (OSError, ValueError):
             continue  # reported when its turn comes
         if getattr(first, "planes", 1) > 1:
@@ -425,23 +554,28 @@ def _apply(args) -> int:
         index, count = shard
         files, names = files[index::count], names[index::count]
         print(f"share {index}/{count}: {len(files)} image(s)", file=sys.stderr)
-    kinds = {}
+    seg = TrainableSegmenter.load(args.model, device=args.device)
+    volumes = _check_dimensions(args, seg, files)  # a volume model's inputs: their views (or why they can't open)
+    kinds = {}  # image → (format of its outputs, its chunked view or None), or why it cannot be read
     for path in files:
         try:
-            kinds[path] = _image_format(path, args.out_format)
+            kinds[path] = ((volumes[path] if isinstance(volumes[path], Exception) else
+                            (_volume_format(path, args.out_format), volumes[path])) if seg.dims == 3
+                           else _image_format(path, args.out_format))
         except ImageReadError as err:  # reported as skipped below
             kinds[path] = err
-    seg = TrainableSegmenter.load(args.model, device=args.device)
     if args.modal is not None:
         seg.modal = args.modal
     if args.crf != "model":
         seg.crf = {"on": DEFAULT_CRF_PRESET, "off": False}.get(args.crf, args.crf)
-    _check_channels_once(seg, files, kinds)
+    if seg.dims == 2:
+        _check_channels_once(seg, files, kinds)
     k = int(seg.classes_.max())
     digest = model_digest(args.model)
     settings = {"model": str(Path(args.model).resolve()), "model_digest": digest, "crf": seg.crf or "off",
                 "modal": seg.modal, "format": args.out_format, "proba": args.proba, "overlay": not args.no_overlay,
-                "classes": [int(c) for c in seg.classes_]}
+                "classes": [int(c) for c in seg.classes_],
+                **({"spacing": list(args.spacing) if args.spacing else None} if seg.dims == 3 else {})}
     slurm = SlurmOptions(jobs=args.slurm_jobs, cores=args.slurm_cores, memory=args.slurm_memory,
                          walltime=args.slurm_walltime, queue=args.slurm_queue, account=args.slurm_account,
                          config=args.slurm_config)
@@ -454,16 +588,18 @@ def _apply(args) -> int:
             fmt, view = kinds[path]
             earlier = folder.finished(name.row) if args.resume else None
             jobs.append(ImageJob(str(path), name.row, name.stem, str(folder.stage(name.row, args.out / name.folder)),
-                                 fmt, args.proba, not args.no_overlay, chunked=view is not None,
-                                 units=chunked_units(view.shape, seg) if view is not None else 1,
-                                 resume_sha256=earlier.get("input_sha256") if earlier else None))
+                                 fmt, args.proba, not args.no_overlay, chunked=view is not None and seg.dims == 2,
+                                 units=chunked_units(view.shape, seg) if view is not None and seg.dims == 2 else 1,
+                                 resume_sha256=earlier.get("input_sha256") if earlier else None,
+                                 volume=seg.dims == 3))
         for path, err in unreadable:
             warnings.warn(f"skipped {path}: {err}")
         with open_executor(scheduler, worker_memory=args.worker_memory, slurm=slurm) as executor:
             if executor.dashboard:
                 print(f"Dask dashboard: {executor.dashboard}", file=sys.stderr)
             model = seg if scheduler.kind == "threads" else executor.broadcast(
-                ModelPackage.from_folder(args.model, digest, seg.crf, seg.modal, args.device))
+                ModelPackage.from_folder(args.model, digest, seg.crf, seg.modal, args.device,
+                                          spacing=args.spacing if seg.dims == 3 else None))
             outcome = run_jobs(executor, model, jobs, folder)
     key = write_colour_key(args.out / ".colour_key.part.png", seg.classes_, k)  # complete or absent: shares
     os.replace(key, args.out / "colour_key.png")  # write it at the same time
@@ -476,6 +612,60 @@ def _apply(args) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _check_dimensions(args, seg, files) -> dict:
+    """A clear error when a model of 2D images is given volumes without --features 2d, or a volume
+    model 2D images (or settings only one kind takes); a volume model's inputs opened as volumes."""
+    from ..chunked import open_volume
+    from ..images import ImageReadError
+
+    kinds = {}
+    for path in files:
+        try:
+            kinds[path] = _is_volume_input(path, args.slice_folders)
+        except ImageReadError:
+            kinds[path] = None  # unreadable: skipped and reported with the others
+    if seg.dims == 2:
+        if args.features == "3d":
+            raise ValueError(f"--features 3d needs a volume model; {args.model} was trained on 2D images")
+        if args.spacing is not None:
+            raise ValueError(f"--spacing is for volume models; {args.model} was trained on 2D images")
+        volumes = [p for p in files if kinds[p]]
+        if volumes and args.features != "2d":
+            raise ValueError(f"{volumes[0]} is a volume but the model {args.model} was trained on 2D images: segment "
+                             "it slice by slice with --features 2d, or train a volume model (segment train on volumes)")
+        return {}
+    if args.features == "2d":
+        raise ValueError(f"--features 2d segments volumes slice by slice with a model of 2D images; {args.model} is a "
+                         "volume model (3D features)")
+    flat = [p for p in files if kinds[p] is False]
+    if flat:
+        raise ValueError(f"{flat[0]} is a 2D image but the model {args.model} segments volumes (3D features): give "
+                         "volumes, or a model trained on 2D images")
+    if args.out_format == "png":
+        raise ValueError("--out-format png cannot hold a volume: use tif (a mask stack), bigtiff or ome-zarr")
+    if args.crf not in ("model", "off"):
+        raise ValueError("--crf (the dense CRF) is for 2D images; volumes take --modal N")
+    if args.spacing is not None:
+        seg.spacing = args.spacing
+    views = {}
+    for path in files:
+        try:
+            views[path] = open_volume(path)
+        except ImageReadError as err:
+            views[path] = err
+    return views
+
+
+def _volume_format(path: Path, out_format: str) -> str:
+    """The format of a volume's outputs: a TIFF stack like its input (auto, tif), OME-Zarr for a zarr
+    input (auto) or when asked, an OME-TIFF stack (bigtiff)."""
+    from ..chunked import is_zarr_path
+
+    if out_format in ("auto", "tif"):
+        return "ome-zarr" if is_zarr_path(path) and out_format == "auto" else "tif"
+    return out_format
 
 
 def _merge(args) -> int:

@@ -2,7 +2,8 @@
 
 - :func:`classical_features`: the Weka filter set per pixel.
 - :class:`ViTFeatures`: backbone patch features, standardised, PCA-reduced, upsampled to pixels.
-- :class:`TrainableSegmenter`: fit on sparse labels (0 = unlabelled, 1..K), predict, save/load.
+- :class:`TrainableSegmenter`: fit on sparse labels (0 = unlabelled, 1..K), predict, save/load;
+  :class:`VolumeSegmenter`: the same for volumes, on 3D features.
 - :func:`scribbles`, :func:`synthetic_micrograph`, :func:`scribble_benchmark`: the benchmark.
 - :func:`load_micrographs`: the labelled real micrographs shipped with the package;
   :func:`~alibi_vit.trainable.micrograph_benchmark.micrograph_benchmark` scores configurations on them.
@@ -17,8 +18,9 @@ from .datasets import load_micrographs
 from .io import read_grayscale, read_labels, to_unit_float
 from .scribbles import scribbles
 from .segmenter import TrainableSegmenter
+from .volumes import VolumeSegmenter
 from .vit import ViTFeatures, vit_patch_features
 
-__all__ = ["TrainableSegmenter", "ViTFeatures", "classical_feature_names", "classical_features", "dense_crf",
-           "load_micrographs", "mean_iou", "membrane_kernels", "read_grayscale", "read_labels", "scribble_benchmark",
+__all__ = ["TrainableSegmenter", "ViTFeatures", "VolumeSegmenter", "classical_feature_names", "classical_features",
+           "dense_crf", "load_micrographs", "mean_iou", "membrane_kernels", "read_grayscale", "read_labels", "scribble_benchmark",
            "scribbles", "synthetic_dataset", "synthetic_micrograph", "to_unit_float", "vit_patch_features"]

@@ -39,7 +39,7 @@ from .writers import OutputError
 
 __all__ = ["ImageJob", "ModelPackage", "run_jobs"]
 
-_MODELS: dict = {}  # a worker's loaded model: (digest, crf, modal, device) → TrainableSegmenter
+_MODELS: dict = {}  # a worker's loaded model: (digest, crf, modal, device, spacing) → TrainableSegmenter
 
 
 @dataclass(frozen=True)
@@ -51,12 +51,13 @@ class ModelPackage:
     crf: object
     modal: int
     device: str | None = None
+    spacing: tuple | None = None  # a volume model's --spacing (None: each volume's own)
 
     @classmethod
-    def from_folder(cls, folder, digest: str, crf, modal: int, device=None) -> "ModelPackage":
+    def from_folder(cls, folder, digest: str, crf, modal: int, device=None, spacing=None) -> "ModelPackage":
         folder = Path(folder)
         files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-        return cls(digest, files, crf, int(modal), device)
+        return cls(digest, files, crf, int(modal), device, tuple(spacing) if spacing is not None else None)
 
 
 def resolve_model(model):
@@ -64,7 +65,7 @@ def resolve_model(model):
     one :class:`ModelPackage` loaded once per process."""
     if not isinstance(model, ModelPackage):
         return model
-    key = (model.digest, model.crf, model.modal, model.device)
+    key = (model.digest, model.crf, model.modal, model.device, model.spacing)
     seg = _MODELS.get(key)
     if seg is None:
         from .segmenter import TrainableSegmenter
@@ -77,6 +78,8 @@ def resolve_model(model):
                 (Path(folder) / name).write_bytes(data)
             seg = TrainableSegmenter.load(folder, device=model.device)
         seg.crf, seg.modal = model.crf, model.modal
+        if model.spacing is not None:
+            seg.spacing = model.spacing
         _MODELS.clear()  # one model per worker at a time
         _MODELS[key] = seg
     return seg
@@ -100,7 +103,9 @@ class ImageJob:
     staged: this image's staging folder (its outputs' folder, mirrored); fmt: png, tif, ome-zarr or
     bigtiff (the last two streamed tile by tile); chunked: read lazily, so its tiles are units of their
     own; units: how many units it takes (the progress bar's share); resume_sha256: with --resume, the
-    input digest an earlier run recorded (equal: the image is kept, not redone)."""
+    input digest an earlier run recorded (equal: the image is kept, not redone); volume: a volume
+    model's input, segmented on 3D features block by block in one unit (its blocks are not spread
+    over workers), into a TIFF stack (tif, bigtiff) or OME-Zarr, one CSV row per volume."""
 
     path: str
     row: str
@@ -112,6 +117,7 @@ class ImageJob:
     chunked: bool = False
     units: int = 1
     resume_sha256: str | None = None
+    volume: bool = False
 
 
 @dataclass
@@ -152,25 +158,40 @@ def segment_image(model, job: ImageJob) -> Result:
         sha256 = input_digest(job.path)
         if job.resume_sha256 == sha256:
             return Result(sha256=sha256, kept=True)
-        if job.fmt in ("ome-zarr", "bigtiff"):
+        if job.volume or job.fmt in ("ome-zarr", "bigtiff"):
+            from ..chunked import open_volume
             from ..images import read_array
             from .stream import segment_to_files
 
-            result = segment_to_files(seg, read_array(job.path), job.staged, job.stem, job.fmt, proba=job.proba,
+            image = open_volume(job.path) if job.volume else read_array(job.path)
+            result = segment_to_files(seg, image, job.staged, job.stem, job.fmt, proba=job.proba,
                                       overlays=job.overlays, progress=False)
+            if result.note:
+                warnings.warn(f"note: {result.note}")
             return Result(rows=[(job.row, result.counts.tolist(), result.size)], sha256=sha256)
         return Result(rows=_segment_whole(seg, job), sha256=sha256)
 
     return _caught(work)
 
 
+def read_stack(path) -> list | None:
+    """The slices of a stack (a multi-page TIFF, or a folder of numbered slices), or None for one image."""
+    from ..chunked import is_zarr_path, open_slice_folder
+    from .io import read_slices
+
+    path = Path(path)
+    if path.is_dir() and not is_zarr_path(path):
+        return list(open_slice_folder(path).read_box(slice(None), slice(None), slice(None)))
+    return read_slices(path)
+
+
 def _segment_whole(seg, job: ImageJob) -> list:
     """Segment an image read whole (or a TIFF stack, slice by slice) and write its files; its CSV rows."""
     from ..images import read_array, scale_colour
-    from .io import area_fractions, overlay, read_slices, write_mask, write_proba
+    from .io import area_fractions, overlay, write_mask, write_proba
 
     path, dest, k = Path(job.path), Path(job.staged), int(seg.classes_.max())
-    stack = read_slices(path)
+    stack = read_stack(path)
     arrays, is_stack = (stack, True) if stack is not None else ([read_array(path)], False)
     seg.check_channels(arrays[0], str(path))
     scaled = [seg.scale(a, f"{path} slice {z}" if is_stack else str(path)) for z, a in enumerate(arrays)]

@@ -104,16 +104,23 @@ def read_slices(path) -> list[np.ndarray] | None:
         return None
     import tifffile
 
+    from ..chunked import check_tiff_pages
+    from ..images import ImageReadError
+
     try:
         with tifffile.TiffFile(path) as tif:
             if len(tif.pages) < 2:
                 return None
+            if not tif.is_ome:
+                check_tiff_pages(tif, f"stack {path}")  # names the first page of another size or dtype
             series = tif.series[0]
             page_shape = tuple(tif.pages[0].shape)
             if len(tif.series) == len(tif.pages) and all(tuple(s.shape) == page_shape for s in tif.series):
                 array = np.stack([s.asarray() for s in tif.series])  # written page by page: a series each
             else:
                 array = series.asarray()
+    except ImageReadError:
+        raise
     except (OSError, ValueError, tifffile.TiffFileError) as err:
         raise ValueError(f"cannot read image {path}: {err}") from err
     if array.size % int(np.prod(page_shape)):

@@ -60,6 +60,9 @@ VIT_WINDOW_BYTES = 256 << 20  # without a cache: backbone windows kept for the n
 DEFAULT_FILTERS = "compact"  # chosen on the labelled micrograph set's training split (docs/segmentation.md)
 
 
+_KINDS: dict[int, type] = {}  # segmenter class by the dimensions of its images (2: this module's; 3: volumes)
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -120,13 +123,16 @@ def _is_colour(image) -> bool:
     return image.channels > 1 if isinstance(image, ChunkedImage) else np.ndim(image) == 3
 
 
-def _as_list(items, what: str) -> list:
-    """A list of images: one 2D (or (H, W, 3|4) RGB) array counts as one image; other arrays are ambiguous."""
+def _as_list(items, what: str, dims: int = 2) -> list:
+    """A list of images: one 2D (or (H, W, 3|4) RGB) array counts as one image (with ``dims=3``, one
+    3D array as one volume); other arrays are ambiguous."""
     if isinstance(items, np.ndarray):
-        if items.ndim == 2 or (items.ndim == 3 and items.shape[-1] in (3, 4)):
+        if dims == 3 and items.ndim == 3:
             return [items]
-        raise ValueError(f"{what}: got one array of shape {items.shape}; pass a list of 2D images (the slices of a "
-                         "3D stack as separate images)")
+        if dims == 2 and (items.ndim == 2 or (items.ndim == 3 and items.shape[-1] in (3, 4))):
+            return [items]
+        expected = "(z, y, x) volumes" if dims == 3 else "2D images (the slices of a 3D stack as separate images)"
+        raise ValueError(f"{what}: got one array of shape {items.shape}; pass a list of {expected}")
     return list(items)
 
 
@@ -219,8 +225,7 @@ class TrainableSegmenter:
         self.classifier_kind, self.crf = classifier, crf or False
         self.classifier_params = dict(classifier_params or {})
         self.crf_params = dict(crf_params or {})
-        fs = filter_set(filters, sigmas, sigma_scale)
-        self.filters, self.sigmas, self.sigma_scale = filters, fs.sigmas, fs.sigma_scale
+        self._set_filters(filters, sigmas, sigma_scale)
         self.n_components, self.vit_tile, self.vit_overlap = int(n_components), int(vit_tile), int(vit_overlap)
         self.intensity, self.tile, self.max_samples = intensity, _round_up(int(tile), PATCH_ALIGN), int(max_samples)
         self.feature_dtype, self.seed, self.progress = np.dtype(feature_dtype), int(seed), progress
@@ -259,11 +264,26 @@ class TrainableSegmenter:
                 raise ValueError(f"backbone must be None, a model name or an nn.Module, got {type(backbone).__name__}")
             self.vit = ViTFeatures(model, self.n_components, tile=self.vit_tile, overlap=self.vit_overlap,
                                    device=self.device)
-        self.halo = halo(self.sigmas, self.sigma_scale, self.filters)  # the filters' reach: tiles equal the whole image
         self.intensity_note = None  # how the training range was sampled, when chunked images were
         self._scratch = self._scratch_user = None  # state of one call (_call)
         self.classes_ = None
         self.model_ = None
+
+    dims = 2  # the images' dimensions: 2 here, 3 for volumes (VolumeSegmenter)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _KINDS[cls.dims] = cls  # what load() builds for a model of these dimensions
+
+    @classmethod
+    def _config_kwargs(cls, cfg: dict) -> dict:
+        """Constructor arguments of a saved model beyond those every segmenter takes."""
+        return {}
+
+    def _set_filters(self, filters, sigmas, sigma_scale) -> None:
+        fs = filter_set(filters, sigmas, sigma_scale)
+        self.filters, self.sigmas, self.sigma_scale = filters, fs.sigmas, fs.sigma_scale
+        self.halo = halo(self.sigmas, self.sigma_scale, self.filters)  # the filters' reach: tiles equal the whole image
 
     # ---- features -------------------------------------------------------------------------
     @property
@@ -283,8 +303,9 @@ class TrainableSegmenter:
         a :class:`~alibi_vit.chunked.ChunkedImage`, whose planes and channels are checked too)."""
         if isinstance(image, ChunkedImage):
             if image.planes != 1:
-                raise ValueError(f"{source} holds {image.planes} planes (axes {image.axes}): the tiled engine segments "
-                                 "2D images; store one plane per image")
+                raise ValueError(f"{source} holds {image.planes} planes (axes {image.axes}) but the model segments 2D "
+                                 "images: segment a volume with a volume model (3D features), or slice by slice "
+                                 "(--features 2d); store one plane per image otherwise")
             if image.channels not in (1, 3, 4):
                 raise ValueError(f"{source} has {image.channels} channels (axes {image.axes}): expected 1 (grey) or "
                                  "3/4 (RGB(A))")
@@ -343,7 +364,7 @@ class TrainableSegmenter:
         return ChunkedSource(image, lo, hi, keep, note=note)
 
     def _prepare(self, images, source="image", fit: bool = False) -> list:
-        images = _as_list(images, "images")
+        images = _as_list(images, "images", self.dims)
         if fit:
             for i, im in enumerate(images):
                 if isinstance(im, ChunkedImage):
@@ -535,16 +556,17 @@ class TrainableSegmenter:
             pixel add no training pixel (in-memory ones still shape the ViT PCA, and all of them the
             fitted intensity range). Returns self.
         """
-        labels = _as_list(labels, "labels")
+        labels = _as_list(labels, "labels", self.dims)
         with self._call():
             sources = self._prepare(images, fit=True)
             if len(labels) != len(sources):
                 raise ValueError(f"got {len(sources)} images but {len(labels)} label images")
             for i, (src, lab) in enumerate(zip(sources, labels)):
-                shape = labels_shape(lab)
+                shape = labels_shape(lab, self.dims)
                 if shape != tuple(src.shape):
-                    raise ValueError(f"labels {i} is {shape[0]}×{shape[1]} px but its image is "
-                                     f"{src.shape[0]}×{src.shape[1]} px")
+                    unit, kind = ("px", "image") if self.dims == 2 else ("voxels (z×y×x)", f"volume ({src.name})")
+                    raise ValueError(f"labels {i} is {'×'.join(map(str, shape))} {unit} but its {kind} is "
+                                     f"{'×'.join(map(str, src.shape))} {unit}")
             labelled = self._labelled_tiles(sources, labels)
             totals: dict[int, int] = {}
             for *_, counts in labelled:
@@ -563,7 +585,7 @@ class TrainableSegmenter:
             self.label_counts_ = {int(c): int(totals[c]) for c in classes}  # labelled pixels per class
             self.n_user_features = None
             if self.vit is not None:
-                self._fit_pca(sources, labelled)
+                self._fit_pca(sources, labels, labelled)
             X, Y = self._gather(sources, labels, labelled, classes, totals)
         self.model_ = fit_classifier(self.classifier_kind, X, Y, self.seed, self.classifier_params)
         return self
@@ -580,7 +602,7 @@ class TrainableSegmenter:
                     found.append((i, tile, dict(zip(values.tolist(), counts.tolist()))))
         return found
 
-    def _fit_pca(self, sources, labelled) -> None:
+    def _fit_pca(self, sources, labels, labelled) -> None:
         """Standardisation and PCA of the backbone's patch features: every patch of the in-memory
         training images, and the patches of the labelled tiles of chunked ones."""
         p = self._patch_size()
@@ -623,30 +645,43 @@ class TrainableSegmenter:
             m = int(sel.sum())
             if not m:
                 continue
-            feats = self._tile_features(sources[i], tile)
+            rows = self._labelled_rows(sources[i], tile, sel)
             if X is None:  # sized once the first tile shows the user function's feature count
                 if self._feature_fn is not None:
-                    self.n_user_features = feats.shape[-1] - len(self.feature_names)
+                    self.n_user_features = rows.shape[-1] - len(self.feature_names)
                 n = int(min(counts.sum(), self.max_samples))
-                X, Y = np.empty((n, feats.shape[-1]), self.feature_dtype), np.empty(n, np.int64)
-            X[row:row + m] = feats[sel]
+                X, Y = np.empty((n, rows.shape[-1]), self.feature_dtype), np.empty(n, np.int64)
+            X[row:row + m] = rows
             Y[row:row + m] = np.searchsorted(classes, y[sel])
             row += m
         return X[:row], Y[:row]
+
+    def _restore(self, cfg: dict) -> None:
+        """Saved state beyond the constructor's arguments (none for 2D images)."""
+
+    def _labelled_rows(self, src, tile: Tile, sel: np.ndarray) -> np.ndarray:
+        """(m, F) features of the voxels ``sel`` (a mask over the tile's core) marks, in C order."""
+        return self._tile_features(src, tile)[sel]
 
     # ---- prediction -----------------------------------------------------------------------
     def _check_fitted(self):
         if self.model_ is None:
             raise ValueError("the segmenter is not trained: call fit() or load() first")
 
-    def tile_proba(self, src, tile: Tile) -> np.ndarray:
-        """(h, w, K) float32 class probabilities of one tile's core, straight from the classifier
-        (no CRF, no modal filter: those look past the tile; :mod:`~alibi_vit.trainable.stream`)."""
+    def tile_proba(self, src, tile: Tile, part=None) -> np.ndarray:
+        """(h, w, K) float32 class probabilities of one tile's core ((d, h, w, K) for a volume's block),
+        straight from the classifier (no CRF, no modal filter: those look past the tile;
+        :mod:`~alibi_vit.trainable.stream`).
+        part: only this region of the core ((rows, cols) slices in image coordinates) is classified
+        (the features are the whole tile's, so through the cache a tile is featurised once however
+        many parts of it are asked for, e.g. the part on screen first)."""
         feats = self._tile_features(src, tile)
+        if part is not None:
+            feats = feats[tuple(slice(p.start - c.start, p.stop - c.start) for p, c in zip(part, tile.core))]
         # Pixel-major features reshape to C-contiguous rows without a copy (XGBoost would copy others).
         rows = np.ascontiguousarray(feats.reshape(-1, feats.shape[-1]), dtype=self.feature_dtype)
-        return self.model_.predict_proba(rows).reshape(tile.shape + (len(self.classes_),)).astype(np.float32,
-                                                                                                  copy=False)
+        return self.model_.predict_proba(rows).reshape(feats.shape[:-1] + (len(self.classes_),)).astype(
+            np.float32, copy=False)
 
     def predict_tiles(self, image, first=None):
         """Class probabilities tile by tile, as they are computed: yields (core (rows, cols) slices,
@@ -679,7 +714,7 @@ class TrainableSegmenter:
         image too scales once). on_progress(done, total): called after each tile of each image."""
         self._check_fitted()
         with self._call():
-            srcs = [ArraySource(x) for x in _as_list(images, "images")] if scaled else self._prepare(images)
+            srcs = [ArraySource(x) for x in _as_list(images, "images", self.dims)] if scaled else self._prepare(images)
             return [self._proba_one(s, on_progress) for s in tqdm(srcs, desc="segment", disable=not self.progress)]
 
     def predict(self, images, scaled: bool = False) -> list[np.ndarray]:
@@ -706,7 +741,7 @@ class TrainableSegmenter:
                 "max_samples": self.max_samples, "feature_dtype": self.feature_dtype.name, "seed": self.seed,
                 "backbone": self.backbone_spec, "feature_names": self.feature_names, "colour": self.colour,
                 "channels": self.channels_, "feature_fn": self.feature_fn, "n_user_features": self.n_user_features,
-                "modal": self.modal}
+                "modal": self.modal, "dims": self.dims}
 
     def save(self, path) -> Path:
         """Write the model folder: config.json, classifier.json (XGBoost's JSON format), and with a
@@ -762,6 +797,12 @@ class TrainableSegmenter:
                 ckpt = path / ckpt
             kwargs = dict(checkpoint=ckpt, pretrained=spec["pretrained"], model_kwargs=spec["model_kwargs"])
         crf = "library" if cfg["crf"] is True else cfg["crf"]  # format 1 stored True: the library's values
+        kind = _KINDS.get(cfg.get("dims", 2))
+        if kind is None or not issubclass(kind, cls):
+            raise ValueError(f"{path} holds a model of {cfg.get('dims', 2)}D images, which {cls.__name__} does not "
+                             "segment: load it with TrainableSegmenter.load")
+        cls = kind
+        kwargs.update(cls._config_kwargs(cfg))
         seg = cls(model, cfg["classifier"], crf, classifier_params=cfg["classifier_params"],
                   crf_params=cfg["crf_params"], filters=cfg.get("filters", "weka"), sigmas=cfg["sigmas"],
                   sigma_scale=cfg["sigma_scale"],
@@ -772,6 +813,7 @@ class TrainableSegmenter:
                   **kwargs)  # format 1: colour became grey
         seg.channels_ = cfg.get("channels", 1)
         seg.n_user_features = cfg.get("n_user_features")
+        seg._restore(cfg)
         if spec is not None and "name" in spec and spec["checkpoint"] == "backbone.safetensors":
             # Weights saved with the model (a random-init backbone): a later save() writes them again.
             seg.backbone_spec = {**spec, "checkpoint": None}
@@ -790,3 +832,6 @@ class TrainableSegmenter:
             with np.load(pca, allow_pickle=False) as state:
                 seg.vit.load_state(state)
         return seg
+
+
+_KINDS[2] = TrainableSegmenter

@@ -19,6 +19,11 @@ output names, passes), so that each tile of each pass can run on its own, in ano
 on another machine (``segment apply --scheduler``): every pass's tiles have the outputs' chunk
 size and are aligned to it, so each tile writes whole chunks that no other tile writes, and no
 locking is needed. A pass reads what the pass before wrote, so it starts once that pass is done.
+
+Volumes (a :class:`~alibi_vit.trainable.volumes.VolumeSegmenter`) stream block by block the same
+way into (z, y, x) outputs: OME-Zarr (``ome-zarr``, the voxel spacing as its scale), or a
+multi-page TIFF stack (``tif``; ``bigtiff``: an OME-TIFF stack), converted from the zarr staging
+page by page; no overlays (view the mask over the volume in napari or Fiji).
 """
 
 from __future__ import annotations
@@ -35,11 +40,12 @@ from .io import overlay, palette
 from .segmenter import CRF_OVERLAP, modal_filter
 from .sources import ChunkedSource
 from .tiles import TileGrid
-from .writers import ZarrOutput, zarr_to_tiff
+from .writers import ZarrOutput, zarr_to_tiff, zarr_to_tiff_stack
 
 __all__ = ["OUT_FORMATS", "StreamLayout", "StreamResult", "passes", "segment_to_files"]
 
 OUT_FORMATS = ("ome-zarr", "bigtiff")
+VOLUME_FORMATS = ("ome-zarr", "bigtiff", "tif")
 
 
 @dataclass
@@ -88,23 +94,31 @@ class StreamLayout:
     shape: tuple
     tile: int
     classes: tuple
-    halo: int  # the segmenter's feature halo (the classifier pass reads its tiles with it)
+    halo: tuple  # the segmenter's feature halo per axis (the classifier pass reads its tiles with it)
     crf: bool
     modal: int
     input: str | None = None  # a chunked input's path; None for an in-memory image
     scaling: tuple = ()  # (lo, hi, colour) of the chunked input's ChunkedSource
     note: str = ""
+    volume: bool = False  # (z, y, x) outputs: no overlay; TIFF outputs are stacks
+    spacing: tuple | None = None  # a volume's voxel spacing, the OME-Zarr scale of level 0
+    colours: object = None  # the class colours (a palette table), None: the default palette
 
     @classmethod
     def plan(cls, seg, src, folder, stem: str, out_format: str, *, proba: bool = False,
-             overlays: bool = True, input_path=None) -> "StreamLayout":
-        if out_format not in OUT_FORMATS:
-            raise ValueError(f"out_format must be one of {', '.join(OUT_FORMATS)}, got {out_format!r}")
+             overlays: bool = True, input_path=None, colours=None) -> "StreamLayout":
+        volume = getattr(seg, "dims", 2) == 3
+        formats = VOLUME_FORMATS if volume else OUT_FORMATS
+        if out_format not in formats:
+            raise ValueError(f"out_format must be one of {', '.join(formats)}, got {out_format!r}")
         scaling = (src.lo, src.hi, src.colour) if isinstance(src, ChunkedSource) else ()
-        return cls(Path(folder), stem, out_format, proba, overlays, tuple(src.shape), seg.tile,
-                   tuple(int(c) for c in seg.classes_), int(seg.halo), bool(seg.crf), int(seg.modal),
-                   str(input_path) if input_path is not None and scaling else None, scaling,
-                   getattr(src, "note", ""))
+        k = int(max(seg.classes_))
+        colours = palette(k) if colours is None else np.asarray(colours, np.uint8)[:k + 1]
+        spacing = getattr(src, "spacing", None)
+        return cls(Path(folder), stem, out_format, proba, overlays and not volume, tuple(src.shape), seg.tile,
+                   tuple(int(c) for c in seg.classes_), seg.tile_grid(src).halos, bool(seg.crf), int(seg.modal),
+                   str(input_path) if input_path is not None and scaling and not volume else None, scaling,
+                   getattr(src, "note", ""), volume, tuple(spacing) if spacing is not None else None, colours)
 
     # -- names -------------------------------------------------------------------------------------------
     @property
@@ -138,18 +152,19 @@ class StreamLayout:
         names = list(self._outputs())
         if self.out_format == "ome-zarr":
             return [self._outputs()[n][0] for n in names]
-        paths = [self.folder / f"{self.stem}_mask.ome.tif"]
+        ext = ".tif" if self.out_format == "tif" else ".ome.tif"
+        paths = [self.folder / f"{self.stem}_mask{ext}"]
         if self.overlays:
-            paths.append(self.folder / f"{self.stem}_overlay.ome.tif")
+            paths.append(self.folder / f"{self.stem}_overlay{ext}")
         if self.proba:
-            paths += [self.folder / f"{self.stem}_proba_{c}.ome.tif" for c in self.classes]
+            paths += [self.folder / f"{self.stem}_proba_{c}{ext}" for c in self.classes]
         return paths
 
     # -- the work ---------------------------------------------------------------------------------------
     def source(self):
         """The input as a worker reads it: the chunked image reopened (metadata only) and scaled."""
         if self.input is None:
-            raise ValueError(f"{self.stem}: an in-memory image has no path to reopen; run it in one piece")
+            raise ValueError(f"{self.stem}: an in-memory image or a volume has no path to reopen; run it in one piece")
         from ..chunked import open_image
 
         lo, hi, colour = self.scaling
@@ -160,9 +175,9 @@ class StreamLayout:
         self.folder.mkdir(parents=True, exist_ok=True)
         for name, (path, dtype, channels, nearest) in self._outputs().items():
             ZarrOutput(path, self.shape, dtype, self.tile, channels, pyramid=True, nearest=nearest,
-                       colours=palette(max(self.classes)) if name == "mask" else None)
+                       colours=self.colours if name == "mask" else None, spacing=self.spacing)
         for path in self._scratch():
-            ZarrOutput(path, self.shape, np.float32, self.tile, len(self.classes), pyramid=False)
+            ZarrOutput(path, self.shape, np.float32, self.tile, len(self.classes), pyramid=False, spacing=self.spacing)
 
     def run_tile(self, seg, src, step: int, index) -> np.ndarray | None:
         """Compute tile ``index`` of pass ``step`` and write its chunks; the class pixel counts of its
@@ -188,7 +203,8 @@ class StreamLayout:
         outputs = {n: ZarrOutput.reopen(v[0]) for n, v in self._outputs().items()}
         outputs["mask"].write(tile.core, mask.astype(outputs["mask"].array.dtype))
         if "overlay" in outputs:
-            outputs["overlay"].write(tile.core, overlay(_display(src, tile.core), mask, 0.4, max(self.classes)))
+            outputs["overlay"].write(tile.core, overlay(_display(src, tile.core), mask, 0.4, max(self.classes),
+                                                      colours=self.colours))
         if "proba" in outputs:
             outputs["proba"].write(tile.core, p)
         return np.array([(mask == c).sum() for c in classes], np.int64)
@@ -198,7 +214,13 @@ class StreamLayout:
         outputs = {n: ZarrOutput.reopen(v[0]) for n, v in self._outputs().items()}
         for out in outputs.values():
             out.finish()
-        if self.out_format == "bigtiff":
+        if self.volume and self.out_format != "ome-zarr":
+            mask, *probas = self.final_paths()
+            ome = self.out_format == "bigtiff"
+            zarr_to_tiff_stack(outputs["mask"], mask, ome=ome)
+            if "proba" in outputs:
+                zarr_to_tiff_stack(outputs["proba"], probas, ome=ome)
+        elif self.out_format == "bigtiff":
             paths = zarr_to_tiff(outputs["mask"], self.folder / f"{self.stem}_mask.ome.tif")
             if "overlay" in outputs:
                 paths += zarr_to_tiff(outputs["overlay"], self.folder / f"{self.stem}_overlay.ome.tif",
@@ -220,26 +242,35 @@ class StreamLayout:
 
 
 def segment_to_files(seg, image, folder, stem: str, out_format: str = "ome-zarr", *, proba: bool = False,
-                     overlays: bool = True, progress: bool = True) -> StreamResult:
+                     overlays: bool = True, progress: bool = True, colours=None, on_tile=None) -> StreamResult:
     """Segment ``image`` (an array, a :class:`~alibi_vit.chunked.ChunkedImage` or a source) with the
     trained ``seg`` tile by tile, writing ``<stem>_mask``, ``<stem>_overlay`` and with ``proba`` the
     probabilities into ``folder``: ``.ome.zarr`` images (probabilities one image with a channel per
-    class) or ``.ome.tif`` files (probabilities ``<stem>_proba_<class>.ome.tif``). Raises
-    :class:`~alibi_vit.trainable.writers.OutputError` when an output cannot be written."""
+    class) or ``.ome.tif`` files (probabilities ``<stem>_proba_<class>.ome.tif``). A volume (with a
+    volume segmenter) also takes ``tif``: ``<stem>_mask.tif`` and ``<stem>_proba_<class>.tif`` stacks;
+    volumes get no overlay. Raises :class:`~alibi_vit.trainable.writers.OutputError` when an output
+    cannot be written.
+
+    colours: the class colours of overlays and of the mask's OME-Zarr metadata, a (max class + 1, 3)
+    uint8 table indexed by class value (default :func:`~alibi_vit.trainable.io.palette`).
+    on_tile(done, total): called after each tile of each pass; an exception it raises stops the
+    segmentation there and removes the outputs of this image (as any failure does)."""
     seg._check_fitted()
     with seg._call():
         src = seg.source(image, stem)
-        layout = StreamLayout.plan(seg, src, folder, stem, out_format, proba=proba, overlays=overlays)
-        return run_layout(seg, src, layout, progress=progress)
+        layout = StreamLayout.plan(seg, src, folder, stem, out_format, proba=proba, overlays=overlays,
+                                   colours=colours)
+        return run_layout(seg, src, layout, progress=progress, on_tile=on_tile)
 
 
-def run_layout(seg, src, layout: StreamLayout, progress: bool = False) -> StreamResult:
+def run_layout(seg, src, layout: StreamLayout, progress: bool = False, on_tile=None) -> StreamResult:
     """Every pass of ``layout`` in this process, tile after tile, then :meth:`StreamLayout.finish`;
-    on any failure (or an interrupt) what was written is removed."""
+    on any failure (or an interrupt) what was written is removed. on_tile(done, total): called after
+    each tile of each pass."""
     counts = np.zeros(len(layout.classes), np.int64)
     steps = layout.steps()
-    bar = tqdm(total=sum(len(grid) for _, grid in steps), desc=f"{layout.stem} tiles", disable=not progress,
-               leave=False)
+    total, done = sum(len(grid) for _, grid in steps), 0  # (a disabled tqdm counts nothing)
+    bar = tqdm(total=total, desc=f"{layout.stem} tiles", disable=not progress, leave=False)
     try:
         layout.create()
         for step, (_, grid) in enumerate(steps):
@@ -248,10 +279,13 @@ def run_layout(seg, src, layout: StreamLayout, progress: bool = False) -> Stream
                 if tile_counts is not None:
                     counts += tile_counts
                 bar.update()
+                done += 1
+                if on_tile is not None:
+                    on_tile(done, total)
         paths = layout.finish()
     except BaseException:  # a damaged tile, a full disk, an interrupt: no half-written outputs
         layout.discard()
         raise
     finally:
         bar.close()
-    return StreamResult(counts, layout.shape[0] * layout.shape[1], paths, layout.note)
+    return StreamResult(counts, int(np.prod(layout.shape)), paths, layout.note)

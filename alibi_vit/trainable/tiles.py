@@ -2,7 +2,8 @@
 
 A :class:`TileGrid` cuts an array of ``shape`` into cores of ``tile`` px per axis (the last ones
 shorter), in row-major order. Each :class:`Tile` owns its ``core`` and is computed on its
-``outer`` region: the core grown by ``halo`` px on every side, clipped to the array. A computation
+``outer`` region: the core grown by ``halo`` px on every side (one value, or one per axis: a
+volume's anisotropic filters reach fewer voxels along its coarse axis), clipped to the array. A computation
 whose output at a pixel depends only on inputs within ``halo`` px of it, with borders handled at
 the array's edges (mirror reflection), then gives on ``outer`` a result whose ``inner`` part (the
 core, in ``outer``'s coordinates) equals the whole array's result on the core.
@@ -42,16 +43,17 @@ class Tile:
 
 
 class TileGrid:
-    """Tiles of ``tile`` px (an int, or one value per axis) plus ``halo`` px over ``shape``."""
+    """Tiles of ``tile`` px plus ``halo`` px (each an int, or one value per axis) over ``shape``."""
 
-    def __init__(self, shape, tile, halo: int = 0):
+    def __init__(self, shape, tile, halo=0):
         self.shape = tuple(int(n) for n in shape)
         self.tile = tuple(int(t) for t in tile) if isinstance(tile, (tuple, list)) else (int(tile),) * len(self.shape)
         if len(self.tile) != len(self.shape) or min(self.tile, default=1) < 1 or min(self.shape, default=1) < 1:
             raise ValueError(f"tile {tile} does not fit an array of shape {self.shape}")
-        if halo < 0:
-            raise ValueError(f"halo must be >= 0, got {halo}")
-        self.halo = int(halo)
+        halos = tuple(int(h) for h in halo) if isinstance(halo, (tuple, list)) else (int(halo),) * len(self.shape)
+        if len(halos) != len(self.shape) or min(halos, default=0) < 0:
+            raise ValueError(f"halo must be >= 0 (one value, or one per axis), got {halo}")
+        self.halos = halos
         self.counts = tuple(-(-n // t) for n, t in zip(self.shape, self.tile))
 
     @property
@@ -67,7 +69,7 @@ class TileGrid:
 
     def tile_at(self, index) -> Tile:
         core = tuple(slice(i * t, min((i + 1) * t, n)) for i, t, n in zip(index, self.tile, self.shape))
-        outer = tuple(slice(max(c.start - self.halo, 0), min(c.stop + self.halo, n)) for c, n in zip(core, self.shape))
+        outer = tuple(slice(max(c.start - h, 0), min(c.stop + h, n)) for c, h, n in zip(core, self.halos, self.shape))
         return Tile(tuple(index), core, outer)
 
     def __iter__(self):

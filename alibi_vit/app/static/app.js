@@ -107,7 +107,10 @@
     fitted: true,             // the view is "fit": refit when the window changes size
     imgW: 0,
     imgH: 0,
-    labels: null,             // Uint8Array: label values of the shown image, as the server has them
+    levels: [],               // [width, height] of each display level of the shown image
+    labelsLoading: false,     // label tiles are being fetched again
+    overlayPredicted: null,   // the share of the image predicted when the overlay was last fetched
+    trainedAt: null,          // performance.now() of the last Train click
     labelsVersion: null,
     overlayShown: false,      // a prediction/uncertainty of the shown image is on the overlay layer
     overlayModel: null,       // ... of this model id
@@ -140,7 +143,13 @@
     get classValue() { return S.classValue; },
     get view() { return { ...S.view }; },
     get training() { return S.training; },
-    get labels() { return S.labels; },
+    // The label tiles in view are drawn, up to date, and no stroke is on its way.
+    get labelsShown() { return layers.labels.settled() && !S.labelsLoading && S.labelsVersion !== null && !S.drawing && !S.pendingStrokes; },
+    get imageWidth() { return S.imgW; },
+    get imageHeight() { return S.imgH; },
+    get level() { return layers.image.level; },
+    // Image pixels [top, left, bottom, right] in view (what Train and Predict send as the region).
+    get region() { return viewRegion(); },
     get pendingStrokes() { return S.pendingStrokes + (S.drawing ? 1 : 0); },
     get overlayShown() { return S.overlayShown; },
     get labelsVersion() { return S.labelsVersion; },
@@ -174,9 +183,335 @@
   const labelLayer = $("label-layer");
   const overlayLayer = $("overlay-layer");
   const brushCursor = $("brush-cursor");
-  const imageCtx = imageLayer.getContext("2d");
-  const labelCtx = labelLayer.getContext("2d");
-  const overlayCtx = overlayLayer.getContext("2d");
+
+  // ---------------------------------------------------------------- tiled layers
+  // The page never holds a whole image. Each layer (the image, the labels, the prediction overlay)
+  // is a <div> in the stage holding tiles of the display level that matches the zoom: canvases of
+  // TILE² px of their level, placed in image pixels (level 0), so the stage's transform zooms and
+  // pans them all. Level L + 1 halves level L (sizes rounded up), as on the server. Tiles of
+  // another level stay on screen under the new ones until those have all arrived.
+  let TILE = 512;           // the server's (state.tile)
+  const MAX_INFLIGHT = 6;   // tile requests in flight per layer
+  const KEEP_TILES = 160;   // tiles a layer keeps off screen (panning back shows them at once)
+
+  function levelShapes(w, h) {
+    const shapes = [[w, h]];
+    while (Math.max(...shapes[shapes.length - 1]) > TILE) {
+      const [lw, lh] = shapes[shapes.length - 1];
+      shapes.push([Math.ceil(lw / 2), Math.ceil(lh / 2)]);
+    }
+    return shapes;
+  }
+
+  // The display level for a zoom: the coarsest whose pixels are no larger than a screen pixel.
+  function levelFor(scale) {
+    return clamp(Math.floor(Math.log2(1 / scale) + 1e-9), 0, S.levels.length - 1);
+  }
+
+  // The part of the image in view, in image pixels, clipped to it: [x0, y0, x1, y1].
+  function visibleRect() {
+    const { scale, tx, ty } = S.view;
+    return [clamp(-tx / scale, 0, S.imgW), clamp(-ty / scale, 0, S.imgH),
+      clamp((area.clientWidth - tx) / scale, 0, S.imgW), clamp((area.clientHeight - ty) / scale, 0, S.imgH)];
+  }
+
+  class TileLayer {
+    // kind: "image" (8-bit pixels), "labels" or "prediction" (class values, coloured here), "uncertainty".
+    constructor(el, kind) {
+      this.el = el;
+      this.kind = kind;
+      this.tiles = new Map();     // "level/row/col" → {level, r, c, canvas, loaded, stale, loading, values, alpha}
+      this.queue = [];
+      this.inflight = 0;
+      this.waiters = [];
+      this.abort = new AbortController();
+      this.version = null;        // labels: the newest X-Labels-Version drawn
+      this.model = null;          // prediction: X-Model and X-CRF of the tiles drawn
+      this.crf = null;
+      this.onTile = null;         // called with (tile, headers) after a tile is drawn
+      this.active = kind !== "prediction";   // the overlay's tiles are fetched once there is a prediction
+    }
+
+    url(t) {
+      return `/api/images/${enc(S.current)}/tiles/${this.kind}/${t.level}/${t.r}/${t.c}.png`;
+    }
+
+    // Level-0 pixels per level pixel of ``level`` (about 2^level; exactly what places its tiles).
+    scales(level) {
+      const [lw, lh] = S.levels[level];
+      return [S.imgW / lw, S.imgH / lh];
+    }
+
+    reset(kind = this.kind) {
+      this.abort.abort();
+      this.abort = new AbortController();
+      this.kind = kind;
+      for (const t of this.tiles.values()) t.canvas.remove();
+      this.tiles.clear();
+      this.queue = [];
+      this.inflight = 0;
+      this.version = this.model = this.crf = null;
+      this.settle(false);
+    }
+
+    // The tiles the view needs: [level, keys in order from the centre of the view outwards].
+    wanted() {
+      const level = levelFor(S.view.scale);
+      const [lw, lh] = S.levels[level];
+      const [sx, sy] = this.scales(level);
+      const [x0, y0, x1, y1] = visibleRect();
+      const c0 = Math.floor(x0 / sx / TILE), c1 = Math.min(Math.ceil(x1 / sx / TILE), Math.ceil(lw / TILE));
+      const r0 = Math.floor(y0 / sy / TILE), r1 = Math.min(Math.ceil(y1 / sy / TILE), Math.ceil(lh / TILE));
+      const keys = [];
+      for (let r = r0; r < r1; r++) for (let c = c0; c < c1; c++) keys.push([r, c]);
+      const mr = (r0 + r1 - 1) / 2, mc = (c0 + c1 - 1) / 2;
+      keys.sort((a, b) => Math.hypot(a[0] - mr, a[1] - mc) - Math.hypot(b[0] - mr, b[1] - mc));
+      return [level, keys.map(([r, c]) => `${level}/${r}/${c}`)];
+    }
+
+    tile(key) {
+      let t = this.tiles.get(key);
+      if (!t) {
+        const [level, r, c] = key.split("/").map(Number);
+        const [lw, lh] = S.levels[level];
+        const [sx, sy] = this.scales(level);
+        const canvas = document.createElement("canvas");
+        canvas.width = Math.min(TILE, lw - c * TILE);
+        canvas.height = Math.min(TILE, lh - r * TILE);
+        canvas.dataset.level = String(level);
+        canvas.dataset.key = key;
+        canvas.style.left = `${c * TILE * sx}px`;
+        canvas.style.top = `${r * TILE * sy}px`;
+        canvas.style.width = `${canvas.width * sx}px`;
+        canvas.style.height = `${canvas.height * sy}px`;
+        canvas.style.zIndex = String(64 - level);   // finer levels on top
+        t = { key, level, r, c, canvas, loaded: false, stale: true, loading: false, values: null, alpha: null };
+        this.tiles.set(key, t);
+        this.el.appendChild(canvas);
+      }
+      return t;
+    }
+
+    // Labels are not fetched while a stroke is drawn or on its way: the answer would wipe it off the
+    // screen (the stroke's answer refreshes them).
+    busy() {
+      return this.kind === "labels" && (!!S.drawing || S.pendingStrokes > 0);
+    }
+
+    // Request what the view needs (nothing while the layer is hidden), and drop what it no longer does.
+    update() {
+      if (!S.current || !S.levels.length || !this.active) return;
+      const [level, keys] = this.wanted();
+      this.level = level;
+      this.wantedKeys = new Set(keys);
+      for (const key of keys) {
+        const t = this.tile(key);
+        if (t.stale && !t.loading && !this.busy() && !this.queue.includes(t)) this.queue.push(t);
+      }
+      this.queue.sort((a, b) => keys.indexOf(a.key) - keys.indexOf(b.key));
+      this.pump();
+      this.prune();
+      this.checkSettled();
+    }
+
+    // Tiles shown are out of date (new labels, more of the prediction): those in view are fetched
+    // again (each stays on screen until its new version arrives); the others are dropped.
+    refresh() {
+      for (const t of [...this.tiles.values()]) {
+        if (this.wantedKeys && this.wantedKeys.has(t.key)) t.stale = true;
+        else this.drop(t);
+      }
+      this.update();
+    }
+
+    drop(t) {
+      t.canvas.remove();
+      this.tiles.delete(t.key);
+      const i = this.queue.indexOf(t);
+      if (i >= 0) this.queue.splice(i, 1);
+    }
+
+    prune() {
+      const inView = [...this.wantedKeys].every((k) => { const t = this.tiles.get(k); return t && t.loaded; });
+      const extra = [...this.tiles.values()].filter((t) => !this.wantedKeys.has(t.key) && !t.loading);
+      for (const t of extra) {
+        // other levels go once this level's tiles are all drawn; this level's beyond KEEP_TILES
+        if (t.level !== this.level ? inView : this.tiles.size > KEEP_TILES) this.drop(t);
+      }
+    }
+
+    pump() {
+      while (this.inflight < MAX_INFLIGHT && this.queue.length) {
+        const t = this.queue.shift();
+        if (this.tiles.get(t.key) !== t) continue;
+        this.load(t);
+      }
+    }
+
+    async load(t) {
+      const image = S.current, signal = this.abort.signal;
+      t.loading = true;
+      t.stale = false;
+      this.inflight++;
+      try {
+        const res = await request("GET", this.url(t), { signal });
+        const blob = await res.blob();
+        const data = this.kind !== "image";
+        const bitmap = await createImageBitmap(blob, data ? { colorSpaceConversion: "none", premultiplyAlpha: "none" } : {});
+        if (signal.aborted || image !== S.current || this.tiles.get(t.key) !== t) { bitmap.close(); return; }
+        if (this.busy()) { bitmap.close(); t.stale = true; return; }
+        this.draw(t, bitmap, res.headers);
+        t.loaded = true;
+        if (this.onTile) this.onTile(t, res.headers);
+      } catch (err) {
+        if (err instanceof ApiError && (err.status === ABORTED || err.status === 409)) {
+          if (err.status === 409) t.loaded = true;   // nothing predicted yet: an empty tile
+        } else {
+          t.loaded = true;
+          showError(err, `tile ${t.key}: `);
+        }
+      } finally {
+        t.loading = false;
+        this.inflight--;
+        if (!signal.aborted) {
+          if (t.stale && !this.busy() && this.tiles.get(t.key) === t) this.queue.unshift(t);   // refreshed meanwhile
+          this.pump();
+          if (this.wantedKeys) this.prune();
+          this.checkSettled();
+        }
+      }
+    }
+
+    draw(t, bitmap, headers) {
+      const ctx = t.canvas.getContext("2d", { willReadFrequently: this.kind !== "image" });
+      const w = t.canvas.width, h = t.canvas.height;
+      if (this.kind === "image") {
+        ctx.clearRect(0, 0, w, h);
+        ctx.drawImage(bitmap, 0, 0);
+        bitmap.close();
+        return;
+      }
+      if (this.kind === "labels") {
+        const version = Number(headers.get("X-Labels-Version"));
+        if (this.version !== null && version < this.version) { bitmap.close(); t.stale = true; return; }   // overtaken
+        this.version = version;
+      } else {
+        this.model = Number(headers.get("X-Model"));
+        this.crf = headers.get("X-CRF") === "true";
+      }
+      const scratch = new OffscreenCanvas(w, h);
+      const sctx = scratch.getContext("2d", { willReadFrequently: true });
+      sctx.drawImage(bitmap, 0, 0);
+      bitmap.close();
+      const rgba = sctx.getImageData(0, 0, w, h).data;
+      t.values = new Uint8Array(w * h);
+      t.alpha = this.kind === "uncertainty" ? new Uint8Array(w * h) : null;
+      for (let i = 0, j = 0; i < t.values.length; i++, j += 4) {
+        t.values[i] = rgba[j];   // grey PNG: R = G = B = value
+        if (t.alpha) t.alpha[i] = rgba[j + 3];
+      }
+      this.paintTile(t);
+    }
+
+    // Colour a tile's values: class colours (labels, prediction; 0 transparent) or the uncertainty scale.
+    paintTile(t) {
+      if (!t.values) return;
+      const w = t.canvas.width, h = t.canvas.height;
+      const out = new ImageData(w, h);
+      const px = new Uint32Array(out.data.buffer);
+      const v = t.values;
+      if (this.kind === "uncertainty") {
+        for (let i = 0; i < v.length; i++) if (t.alpha[i]) px[i] = uncertaintyLut[v[i]];
+      } else {
+        const lut = colourTable();
+        for (let i = 0; i < v.length; i++) if (v[i]) px[i] = lut[v[i]];
+      }
+      t.canvas.getContext("2d").putImageData(out, 0, 0);
+    }
+
+    recolour() {
+      for (const t of this.tiles.values()) this.paintTile(t);
+    }
+
+    // The value under image pixel (x, y) on the tiles of the level in view (null when not loaded).
+    valueAt(x, y) {
+      if (this.level === undefined) return null;
+      const [sx, sy] = this.scales(this.level);
+      const lx = Math.floor(x / sx), ly = Math.floor(y / sy);
+      const t = this.tiles.get(`${this.level}/${Math.floor(ly / TILE)}/${Math.floor(lx / TILE)}`);
+      if (!t || !t.values) return null;
+      return t.values[(ly - t.r * TILE) * t.canvas.width + (lx - t.c * TILE)];
+    }
+
+    // Paint a stroke segment (image px) on the tiles of the level in view, until the server's labels replace it.
+    paint(a, b, stroke) {
+      if (this.level === undefined) return;
+      const [sx, sy] = this.scales(this.level);
+      const pad = stroke.radius + 1;
+      const bx0 = Math.min(a.x, b.x) - pad, bx1 = Math.max(a.x, b.x) + pad;
+      const by0 = Math.min(a.y, b.y) - pad, by1 = Math.max(a.y, b.y) + pad;
+      for (const t of this.tiles.values()) {
+        if (t.level !== this.level) continue;
+        const x0 = t.c * TILE * sx, y0 = t.r * TILE * sy;
+        if (bx1 < x0 || by1 < y0 || bx0 > x0 + t.canvas.width * sx || by0 > y0 + t.canvas.height * sy) continue;
+        const ctx = t.canvas.getContext("2d");
+        ctx.save();
+        ctx.setTransform(1 / sx, 0, 0, 1 / sy, -x0 / sx, -y0 / sy);
+        ctx.globalCompositeOperation = stroke.erase ? "destination-out" : "source-over";
+        ctx.strokeStyle = ctx.fillStyle = stroke.erase ? "#000" : stroke.colour;
+        ctx.lineCap = "round";
+        ctx.lineJoin = "round";
+        ctx.lineWidth = 2 * stroke.radius + 1;
+        ctx.beginPath();
+        if (a === b) {
+          ctx.arc(a.x + 0.5, a.y + 0.5, stroke.radius + 0.5, 0, 2 * Math.PI);
+          ctx.fill();
+        } else {
+          ctx.moveTo(a.x + 0.5, a.y + 0.5);
+          ctx.lineTo(b.x + 0.5, b.y + 0.5);
+          ctx.stroke();
+        }
+        ctx.restore();
+      }
+    }
+
+    settled() {
+      if (!this.wantedKeys) return false;
+      for (const key of this.wantedKeys) {
+        const t = this.tiles.get(key);
+        if (!t || !t.loaded || t.stale || t.loading) return false;
+      }
+      return true;
+    }
+
+    checkSettled() {
+      if (this.waiters.length && this.settled()) this.settle(true);
+    }
+
+    settle(value) {
+      const waiters = this.waiters;
+      this.waiters = [];
+      for (const resolve of waiters) resolve(value);
+    }
+
+    // Resolves (true) once every tile the view needs is drawn and up to date; false when the layer is reset first.
+    whenSettled() {
+      return new Promise((resolve) => {
+        this.waiters.push(resolve);
+        this.update();
+      });
+    }
+  }
+
+  const layers = {
+    image: new TileLayer(imageLayer, "image"),
+    labels: new TileLayer(labelLayer, "labels"),
+    overlay: new TileLayer(overlayLayer, "prediction"),
+  };
+
+  function updateLayers() {
+    for (const layer of Object.values(layers)) layer.update();
+  }
 
   // ---------------------------------------------------------------- state polling and rendering
   async function refreshState() {
@@ -194,12 +529,15 @@
     // Settings changed in the page since this request left: the page's controls are newer.
     if ((settingsGen !== S.settingsGen || S.settingsInFlight) && S.state) state.settings = S.state.settings;
     S.state = state;
+    if (state.tile) TILE = state.tile;
     render();
     checkFeatures();
     const shown = imageById(S.current);
-    if (shown && S.labelsVersion !== null && shown.version !== S.labelsVersion && !S.drawing && !S.pendingStrokes) {
+    if (shown && S.labelsVersion !== null && shown.version !== S.labelsVersion && !S.drawing && !S.pendingStrokes
+        && !S.labelsLoading) {
       loadLabels(S.current);   // changed elsewhere (another tab, undo from the API)
     }
+    followPrediction(shown);
     const running = state.images.some((im) => im.features === "running");
     const shownWaiting = shown && (shown.features === "running" || shown.features === "pending") && S.openedAt.has(shown.id);
     if (shownWaiting) schedulePoll(POLL_SHOWN_MS);
@@ -256,7 +594,9 @@
   function updateStale() {
     const el = $("overlay-stale");
     const m = S.state && S.state.model;
-    const crf = !!(S.state && S.state.settings && S.state.settings.crf);
+    const im = imageById(S.current);
+    // A big image is shown without the CRF (it looks past the blocks predicted first): Save applies it.
+    const crf = !!(S.state && S.state.settings && S.state.settings.crf) && !(im && im.chunked);
     let why = null;
     if (S.overlayShown && S.showOverlay) {
       if (!m) why = "its model belongs to other settings";
@@ -431,14 +771,14 @@
   function resizeLayers(w, h) {
     S.imgW = w;
     S.imgH = h;
-    for (const c of [imageLayer, labelLayer, overlayLayer]) {
-      c.width = w;
-      c.height = h;
-      c.style.width = `${w}px`;
-      c.style.height = `${h}px`;
+    S.levels = levelShapes(w, h);
+    for (const el of [imageLayer, labelLayer, overlayLayer]) {
+      el.style.width = `${w}px`;
+      el.style.height = `${h}px`;
     }
     stage.style.width = `${w}px`;
     stage.style.height = `${h}px`;
+    for (const layer of Object.values(layers)) layer.reset();
   }
 
   async function selectImage(id, { fit = true } = {}) {
@@ -449,24 +789,28 @@
     S.leave.abort();   // the server drops work for the image left
     S.leave = new AbortController();
     S.current = id;
-    S.labels = null;
     S.labelsVersion = null;
     S.overlayShown = false;
+    S.overlayPredicted = null;
     S.drawing = null;
     history.replaceState(null, "", `${location.pathname}${location.search}#image=${enc(id)}`);
     $("empty-hint").hidden = true;
     stage.classList.remove("empty");
-    resizeLayers(im.width, im.height);
     overlayLayer.hidden = true;
+    layers.overlay.active = false;
+    resizeLayers(im.width, im.height);
     clearFractions();
     if (fit) fitView();
     renderImages();
     renderClasses();
     renderFeaturesInfo();
 
-    // Features start computing in the background once the server has sent the image (on 2 cores,
-    // computing both at once would delay the image); /api/state says when they are ready.
+    // Features start computing in the background once the server has sent the first tiles (on 2
+    // cores, computing both at once would delay the image); /api/state says when they are ready.
+    let opened = false;
     const open = () => {
+      if (opened || seq !== S.loadSeq) return;
+      opened = true;
       if (!S.openedAt.has(id)) {
         S.openedAt.set(id, performance.now());
         S.clickedAt.set(id, t0);
@@ -475,60 +819,31 @@
         .then(() => refreshState())
         .catch((err) => showError(err, `${im.name}: `));
     };
+    layers.image.onTile = open;
     loadLabels(id);
-    if (S.state.model) {   // the current model's prediction (computed now if need be)
+    if (S.state.model) {   // the current model's prediction, the part on screen first
       showPrediction(id).catch((err) => { if (err.status !== 409) showError(err); });
     }
-
-    let bitmap, tFetched;
-    try {
-      const blob = await (await request("GET", `/api/images/${enc(id)}/display.png`)).blob();
-      tFetched = performance.now();
-      if (seq === S.loadSeq) open();   // not for an image the user has already left
-      bitmap = await createImageBitmap(blob);
-    } catch (err) {
-      if (seq === S.loadSeq) {
-        if (tFetched === undefined) open();
-        showError(err, `${im.name}: `);
-      }
-      return;
-    }
-    if (seq !== S.loadSeq) { bitmap.close(); return; }
-    imageCtx.clearRect(0, 0, imageLayer.width, imageLayer.height);
-    imageCtx.drawImage(bitmap, 0, 0, im.width, im.height);
-    bitmap.close();
+    const shown = await layers.image.whenSettled();
+    open();   // (also when no tile could be drawn)
+    if (!shown || seq !== S.loadSeq) return;
     await nextFrame();
     if (seq === S.loadSeq) {
-      timing("image_shown", performance.now() - t0,
-        { image: id, width: im.width, height: im.height, fetch_ms: Math.round(tFetched - t0) });
+      timing("image_shown", performance.now() - t0, { image: id, width: im.width, height: im.height,
+        level: layers.image.level, tiles: layers.image.wantedKeys.size });
     }
   }
 
-  // The label layer is redrawn from the server's labels.png (the server is the truth).
+  // The label layer is redrawn from the server's label tiles (the server is the truth).
   async function loadLabels(id) {
-    const seq = S.loadSeq;
-    let bitmap, headers;
+    if (id !== S.current) return;
+    S.labelsLoading = true;
+    layers.labels.refresh();
     try {
-      [bitmap, headers] = await fetchBitmap(`/api/images/${enc(id)}/labels.png`, true);
-    } catch (err) {
-      if (seq === S.loadSeq) showError(err, "labels: ");
-      return;
+      if (await layers.labels.whenSettled() && id === S.current) S.labelsVersion = layers.labels.version;
+    } finally {
+      S.labelsLoading = false;
     }
-    if (seq !== S.loadSeq || id !== S.current) { bitmap.close(); return; }
-    const w = bitmap.width, h = bitmap.height;
-    const scratch = new OffscreenCanvas(w, h);
-    const sctx = scratch.getContext("2d", { willReadFrequently: true });
-    sctx.drawImage(bitmap, 0, 0);
-    bitmap.close();
-    const rgba = sctx.getImageData(0, 0, w, h).data;
-    const values = new Uint8Array(w * h);
-    for (let i = 0, j = 0; i < values.length; i++, j += 4) values[i] = rgba[j];   // grey PNG: R = G = B = value
-    if (S.drawing || S.pendingStrokes) return;   // a newer stroke is on its way: its answer reloads
-    const version = Number(headers.get("X-Labels-Version"));   // the version these labels are
-    if (S.labels && S.labelsVersion !== null && version < S.labelsVersion) return;   // overtaken by a newer load
-    S.labels = values;
-    S.labelsVersion = version;
-    paintLabels();
   }
 
   function colourTable() {
@@ -543,13 +858,7 @@
   }
 
   function paintLabels() {
-    if (!S.labels || S.labels.length !== S.imgW * S.imgH) return;
-    const lut = colourTable();
-    const out = new ImageData(S.imgW, S.imgH);
-    const px = new Uint32Array(out.data.buffer);
-    const v = S.labels;
-    for (let i = 0; i < v.length; i++) if (v[i]) px[i] = lut[v[i]];
-    labelCtx.putImageData(out, 0, 0);
+    layers.labels.recolour();
   }
 
   // ---------------------------------------------------------------- prediction overlay
@@ -569,35 +878,34 @@
     return lut;
   })();
 
-  async function showPrediction(id) {
+  // The region on screen as the server takes it: [top, left, bottom, right] in image px.
+  function viewRegion() {
+    const [x0, y0, x1, y1] = visibleRect();
+    return [Math.floor(y0), Math.floor(x0), Math.ceil(y1), Math.ceil(x1)];
+  }
+
+  // Show the current model's prediction of the shown image: the server predicts the region on
+  // screen first (the rest follows in the background and the overlay fills in, see refreshState).
+  async function showPrediction(id, answer = null) {
     const seq = S.loadSeq;
     const kind = S.showUncertainty ? "uncertainty" : "prediction";
-    const signal = S.leave.signal;
-    const [[bitmap, headers]] = await Promise.all([
-      fetchBitmap(`/api/images/${enc(id)}/${kind}.png`, kind === "uncertainty", signal),
-      loadFractions(id, signal).catch((err) => showError(err, "area fractions: ")),
-    ]);
-    if (seq !== S.loadSeq || id !== S.current) { bitmap.close(); return false; }
-    overlayCtx.clearRect(0, 0, overlayLayer.width, overlayLayer.height);
-    if (kind === "uncertainty") {
-      const w = bitmap.width, h = bitmap.height;
-      const scratch = new OffscreenCanvas(w, h);
-      const sctx = scratch.getContext("2d", { willReadFrequently: true });
-      sctx.drawImage(bitmap, 0, 0);
-      const grey = sctx.getImageData(0, 0, w, h).data;
-      const out = new ImageData(w, h);
-      const px = new Uint32Array(out.data.buffer);
-      for (let i = 0, j = 0; i < px.length; i++, j += 4) px[i] = uncertaintyLut[grey[j]];
-      overlayCtx.putImageData(out, 0, 0);
-    } else {
-      overlayCtx.drawImage(bitmap, 0, 0, S.imgW, S.imgH);
+    if (!answer) {
+      answer = await api("POST", "/api/predict", { image: id, region: viewRegion() }, S.leave.signal);
     }
-    bitmap.close();
+    if (seq !== S.loadSeq || id !== S.current) return false;
+    const layer = layers.overlay;
+    if (layer.kind !== kind) layer.reset(kind);
+    layer.active = true;
+    layer.refresh();
+    const drawn = await layer.whenSettled();
+    if (!drawn || seq !== S.loadSeq || id !== S.current) return false;
     S.overlayShown = true;
-    S.overlayModel = Number(headers.get("X-Model"));
-    S.overlayCrf = headers.get("X-CRF") === "true";
+    S.overlayModel = layer.model;
+    S.overlayCrf = layer.crf;
+    S.overlayPredicted = answer.prediction ? answer.prediction.predicted : null;
     overlayLayer.dataset.kind = kind;
     overlayLayer.hidden = !S.showOverlay;
+    renderFractions(answer.prediction);
     updateStale();
     await nextFrame();
     return true;
@@ -606,27 +914,60 @@
   function clearFractions() {
     const body = $("fractions").tBodies[0];
     body.innerHTML = '<tr class="empty"><td colspan="3" class="muted">train to see them</td></tr>';
+    $("fractions-note").hidden = true;
   }
 
-  async function loadFractions(id, signal = undefined) {
-    const data = await api("GET", `/api/images/${enc(id)}/fractions`, undefined, signal);
-    if (id !== S.current) return;
+  // The area fractions of a prediction (/api/state's image record or a Train or Predict answer),
+  // over the part of the image predicted so far.
+  function renderFractions(p) {
+    if (!p || !p.fractions) { clearFractions(); return; }
+    const list = Array.isArray(p.fractions) ? p.fractions
+      : Object.entries(p.fractions).map(([v, fraction]) => ({ value: Number(v), fraction }));
     const body = $("fractions").tBodies[0];
     body.innerHTML = "";
-    for (const c of data.classes || []) {
+    for (const c of list) {
       const cls = classByValue(c.value);
-      const colour = cls ? cls.color : "#888888";
-      const pct = (100 * (c.fraction || 0)).toFixed(1);
       const tr = document.createElement("tr");
       tr.dataset.value = String(c.value);
       tr.innerHTML = '<td><span class="swatch"></span></td><td class="cname"></td><td class="num"></td>';
-      tr.querySelector(".swatch").style.background = colour;
-      tr.querySelector(".cname").textContent = c.name || (cls ? cls.name : `class ${c.value}`);
-      tr.querySelector(".num").textContent = `${pct} %`;
-      tr.title = `${c.pixels ?? "?"} px`;
+      tr.querySelector(".swatch").style.background = cls ? cls.color : "#888888";
+      tr.querySelector(".cname").textContent = cls ? cls.name : (c.name || `class ${c.value}`);
+      tr.querySelector(".num").textContent = `${(100 * (c.fraction || 0)).toFixed(1)} %`;
       body.appendChild(tr);
     }
     if (!body.children.length) clearFractions();
+    const note = $("fractions-note");
+    note.hidden = !(p.predicted < 1);
+    note.textContent = p.predicted < 1 ? `of the ${(100 * p.predicted).toFixed(1)} % of the image predicted so far` : "";
+  }
+
+  // A new view with a model: the server predicts what came on screen first (when it is not done yet).
+  let regionTimer = 0;
+  function predictView() {
+    clearTimeout(regionTimer);
+    const im = imageById(S.current);
+    if (!S.overlayShown || !im || !im.prediction || im.prediction.complete) return;
+    regionTimer = setTimeout(() => {
+      const id = S.current;
+      api("POST", "/api/predict", { image: id, region: viewRegion() }, S.leave.signal)
+        .then(() => { if (id === S.current) layers.overlay.refresh(); })
+        .catch((err) => { if (err.status !== 409) showError(err); });
+    }, 250);
+  }
+
+  // While the rest of the shown image is predicted in the background, the overlay in view fills in.
+  let fillRefreshed = 0;
+  function followPrediction(im) {
+    const p = im && im.prediction;
+    if (!p || !S.overlayShown || p.model !== S.overlayModel) return;
+    if (p.predicted !== S.overlayPredicted && performance.now() - fillRefreshed > 1000) {
+      fillRefreshed = performance.now();
+      S.overlayPredicted = p.predicted;
+      layers.overlay.refresh();
+      renderFractions(p);
+      if (p.complete) timing("prediction_complete", performance.now() - (S.trainedAt || 0), { image: im.id, model: p.model });
+    }
+    if (!p.complete || p.predicted !== S.overlayPredicted) schedulePoll(POLL_MS);
   }
 
   // ---------------------------------------------------------------- view: zoom and pan
@@ -640,6 +981,8 @@
       stage.classList.toggle("pixelated", scale >= 1);
       $("zoom-value").textContent = `${scale >= 10 ? Math.round(scale * 100) : (scale * 100).toFixed(scale < 0.1 ? 1 : 0)} %`;
       updateBrushCursor();
+      updateLayers();
+      predictView();
     });
   }
 
@@ -708,10 +1051,10 @@
     const x = Math.round(q.x), y = Math.round(q.y);
     if (x < 0 || y < 0 || x >= S.imgW || y >= S.imgH) { $("cursor-info").textContent = ""; return; }
     let text = `x ${x}  y ${y}`;
-    if (S.labels) {
-      const v = S.labels[y * S.imgW + x];
-      const c = v ? classByValue(v) : null;
-      if (v) text += `  label ${c ? c.name : v}`;
+    const v = layers.labels.valueAt(x, y);   // (at a coarse level: the largest label of the block)
+    if (v) {
+      const c = classByValue(v);
+      text += `  label ${c ? c.name : v}`;
     }
     $("cursor-info").textContent = text;
   }
@@ -723,23 +1066,7 @@
   }
 
   function paintSegment(a, b, stroke) {
-    const ctx = labelCtx;
-    ctx.save();
-    ctx.globalCompositeOperation = stroke.erase ? "destination-out" : "source-over";
-    ctx.strokeStyle = ctx.fillStyle = stroke.erase ? "#000" : stroke.colour;
-    ctx.lineCap = "round";
-    ctx.lineJoin = "round";
-    ctx.lineWidth = 2 * stroke.radius + 1;
-    ctx.beginPath();
-    if (a === b) {
-      ctx.arc(a.x + 0.5, a.y + 0.5, stroke.radius + 0.5, 0, 2 * Math.PI);
-      ctx.fill();
-    } else {
-      ctx.moveTo(a.x + 0.5, a.y + 0.5);
-      ctx.lineTo(b.x + 0.5, b.y + 0.5);
-      ctx.stroke();
-    }
-    ctx.restore();
+    layers.labels.paint(a, b, stroke);
   }
 
   function startStroke(e) {
@@ -811,7 +1138,8 @@
           liveTrain();
         }
       }
-      if (S.pendingStrokes === 0 && !S.drawing && S.current) await loadLabels(S.current);
+      // (not awaited: the next stroke need not wait for the tiles)
+      if (S.pendingStrokes === 0 && !S.drawing && S.current) loadLabels(S.current);
       if (ok && S.state && S.state.model && !S.live) refreshState();   // is the overlay stale now?
     });
   }
@@ -885,19 +1213,22 @@
     const t0 = performance.now();
     try {
       if (!live) await S.strokeQueue;   // live training starts from a stroke the server has already
-      const r = await api("POST", "/api/train", { image: id });
+      // The region on screen is predicted before the answer; the rest of the image follows.
+      const r = await api("POST", "/api/train", { image: id, region: viewRegion() });
       const tServer = performance.now() - t0;
+      S.trainedAt = t0;
       if (S.state) {
         S.state.model = r.model;
         const im = imageById(id);
-        if (im) im.prediction = { model: r.model.id };
+        if (im) im.prediction = r.prediction;
         renderModel();
       }
       if (id === S.current) {
-        const shown = await showPrediction(id);
+        const shown = await showPrediction(id, r);
         const t1 = performance.now();
         if (shown) {
-          timing("train", t1 - t0, { image: id, server_ms: Math.round(tServer), live, model: r.model.id });
+          timing("train", t1 - t0, { image: id, server_ms: Math.round(tServer), live, model: r.model.id,
+            predicted: r.prediction.predicted });
           if (strokeT0 !== null) timing("stroke_to_overlay", t1 - strokeT0, { image: id, model: r.model.id });
         }
         status(`model #${r.model.id} trained in ${Number(r.model.seconds).toFixed(1)} s; shown in ${((t1 - t0) / 1000).toFixed(1)} s`, "ok");
@@ -995,8 +1326,8 @@
     await refreshState();
     paintLabels();
     if (S.overlayShown && S.current) {   // the overlay (class colours) and the fractions' names and swatches
-      const again = patch.color && !S.showUncertainty ? showPrediction(S.current) : loadFractions(S.current);
-      again.catch((err) => showError(err));
+      layers.overlay.recolour();
+      renderFractions((imageById(S.current) || {}).prediction);
     }
   }
 
@@ -1005,6 +1336,7 @@
     if (!c) return;
     c.color = colour;
     paintLabels();
+    layers.overlay.recolour();
   }
 
   function startRename(value) {
@@ -1317,6 +1649,8 @@
       // The model is dropped and features are recomputed: clear the overlay and reopen the image.
       S.overlayShown = false;
       overlayLayer.hidden = true;
+      layers.overlay.active = false;
+      layers.overlay.reset();
       clearFractions();
       if (S.current) {
         S.openedAt.set(S.current, performance.now());

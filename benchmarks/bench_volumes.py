@@ -1,0 +1,271 @@
+"""Volumes: 3D features against slice-by-slice 2D on generated microstructures with ground truth (issue 30).
+
+    pip install -e ".[bench]"                                   # porespy, the generator
+    python benchmarks/bench_volumes.py accuracy --size 256      # 3D vs 2D: mIoU, volume-fraction error
+    python benchmarks/bench_volumes.py accuracy --backbone NAME --checkpoint FILE   # + triplanar ViT, 3 ways
+    python benchmarks/bench_volumes.py speed --sizes 256 512    # `segment train/apply`: time, peak RSS
+    python benchmarks/bench_volumes.py report                   # → benchmarks/results/volumes_cpu.*
+    python benchmarks/bench_volumes.py smoke                    # all of it at a toy size
+
+The volume: three phases from porespy's generators, a porous medium with inclusions — pores
+(``blobs``: Gaussian-filtered noise thresholded at the porosity, 35 %, blobiness 1.5), a matrix,
+and inclusions (``overlapping_spheres`` of radius 6 voxels, 15 % of the volume, where no pore is).
+Grey values 0.2 / 0.5 / 0.8, then a 3D Gaussian blur (σ 1.5 voxels, the instrument's point spread)
+and Gaussian noise (σ 0.25: adjacent phases differ by 1.2 noise σ, so a single voxel is ambiguous
+and averaging over a neighbourhood decides), stored as uint16. Larger sizes tile the 256³ volume
+(blobs are periodic), so every size has the same texture.
+
+Scribbles: two strokes per class (``alibi_vit.trainable.scribbles``) on each of 3 XY slices (z at a
+quarter, half and three quarters of the depth): the same label voxels train both segmenters.
+3D: ``VolumeSegmenter`` (the 3D filter bank, defaults). 2D: ``TrainableSegmenter`` (the 2D default
+filter set) trained on the 3 labelled slices and applied to every slice, the behaviour of
+``--features 2d``. Both use the default classifier. "3d dense": the 3D segmenter trained on the
+same 3 slices labelled completely (every voxel), to tell the scribbles' sparsity from the
+features' limits. Scores against the truth over every voxel: mean IoU over the three phases, and
+per phase the volume fraction's error in percentage points.
+
+speed: ``alibi-vit segment train`` and ``segment apply`` (mask as a TIFF stack) on the volume file
+as subprocesses under ``/usr/bin/time -v``: peak RSS of the process, wall time, CPU time, and the
+load average before and after each (the machine is shared); time per 10⁸ voxels from the apply
+command's own segmentation time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+BASE = 256
+PHASES = {1: "pore", 2: "matrix", 3: "inclusion"}
+GREY = {1: 0.2, 2: 0.5, 3: 0.8}
+BLUR, NOISE = 1.5, 0.25
+
+
+def _load() -> list[float]:
+    return [round(v, 2) for v in os.getloadavg()]
+
+
+def microstructure(n: int = BASE, seed: int = 0, noise: float = NOISE) -> tuple[np.ndarray, np.ndarray]:
+    """(uint16 volume, uint8 truth 1|2|3) of side ``n`` (see the module docstring)."""
+    import porespy as ps
+    from scipy import ndimage as ndi
+
+    base = min(n, BASE)
+    pores = ps.generators.blobs([base] * 3, porosity=0.35, blobiness=1.5, seed=seed)
+    solid_spheres = ~ps.generators.overlapping_spheres([base] * 3, r=6, porosity=0.85, seed=seed + 1)
+    truth = np.full(pores.shape, 2, np.uint8)
+    truth[solid_spheres] = 3
+    truth[pores] = 1
+    reps = -(-n // base)
+    truth = np.tile(truth, (reps,) * 3)[:n, :n, :n]
+    grey = np.zeros(truth.shape, np.float32)
+    for c, g in GREY.items():
+        grey[truth == c] = g
+    grey = ndi.gaussian_filter(grey, BLUR, mode="wrap")
+    grey += np.random.default_rng(seed).standard_normal(grey.shape, dtype=np.float32) * noise
+    volume = np.clip((grey + 0.5) * 20000, 0, 65535).astype(np.uint16)
+    return volume, truth
+
+
+def label_slices(n: int) -> list[int]:
+    return [n // 4, n // 2, 3 * n // 4]
+
+
+def scribble_volume(truth: np.ndarray, seed: int = 0) -> np.ndarray:
+    """Sparse labels: two strokes per phase on each of 3 XY slices."""
+    from alibi_vit.trainable import scribbles
+
+    labels = np.zeros(truth.shape, np.uint8)
+    for i, z in enumerate(label_slices(truth.shape[0])):
+        labels[z] = scribbles(truth[z], 2, rng=seed + i)
+    return labels
+
+
+def scores(pred: np.ndarray, truth: np.ndarray) -> dict:
+    from alibi_vit.trainable import mean_iou
+
+    fractions = {PHASES[c]: (round(float((truth == c).mean()), 4), round(float((pred == c).mean()), 4)) for c in PHASES}
+    errors = {k: round(100 * abs(p - t), 2) for k, (t, p) in fractions.items()}
+    return {"miou": round(mean_iou(pred, truth), 4), "fraction_true_pred": fractions, "fraction_error_pp": errors,
+            "max_fraction_error_pp": max(errors.values())}
+
+
+def accuracy(size: int, seed: int = 0, noise: float = NOISE, backbone: str | None = None,
+             checkpoint: str | None = None, combines=()) -> dict:
+    from alibi_vit.trainable import TrainableSegmenter, VolumeSegmenter
+
+    volume, truth = microstructure(size, seed, noise)
+    labels = scribble_volume(truth, seed)
+    zs = label_slices(size)
+    rows = {"size": size, "seed": seed, "noise": noise, "blur": BLUR, "labelled_voxels": int((labels > 0).sum()), "load_before": _load()}
+    t = time.perf_counter()
+    seg3 = VolumeSegmenter(seed=seed).fit(volume, labels)
+    fit3 = time.perf_counter() - t
+    t = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:  # streamed, as `segment apply` does
+        from alibi_vit.trainable.stream import segment_to_files
+        import tifffile
+
+        segment_to_files(seg3, volume, tmp, "v", "tif", progress=False)
+        pred3 = tifffile.imread(Path(tmp) / "v_mask.tif")
+    rows["3d"] = {**scores(pred3, truth), "fit_seconds": round(fit3, 1),
+                  "predict_seconds": round(time.perf_counter() - t, 1)}
+    # The same 3 slices labelled completely: how much of the error is the scribbles' sparsity
+    dense = np.zeros_like(labels)
+    dense[zs] = truth[zs]
+    t = time.perf_counter()
+    pred = VolumeSegmenter(seed=seed).fit(volume, dense).predict([volume])[0]
+    rows["3d dense"] = {**scores(pred, truth), "seconds": round(time.perf_counter() - t, 1)}
+    t = time.perf_counter()
+    seg2 = TrainableSegmenter(seed=seed).fit([volume[z] for z in zs], [labels[z] for z in zs])
+    fit2 = time.perf_counter() - t
+    t = time.perf_counter()
+    pred2 = np.stack([seg2.predict([s])[0] for s in volume])
+    rows["2d"] = {**scores(pred2, truth), "fit_seconds": round(fit2, 1),
+                  "predict_seconds": round(time.perf_counter() - t, 1)}
+    rows["miou_gain_3d_over_2d"] = round(rows["3d"]["miou"] - rows["2d"]["miou"], 4)
+    for combine in combines:  # the 3D filters plus the backbone's features on XY, XZ, YZ slices, combined
+        t = time.perf_counter()
+        seg = VolumeSegmenter(backbone, checkpoint=checkpoint, vit_combine=combine, seed=seed).fit(volume, labels)
+        pred = seg.predict([volume])[0]
+        rows[f"3d+vit {combine}"] = {**scores(pred, truth), "backbone": backbone, "checkpoint": checkpoint,
+                                     "seconds": round(time.perf_counter() - t, 1)}
+    rows["load_after"] = _load()
+    return rows
+
+
+def _timed(cmd: list[str]) -> dict:
+    load_before = _load()
+    t = time.perf_counter()
+    proc = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True,
+                          env={**os.environ, "TQDM_DISABLE": "1"})
+    wall = time.perf_counter() - t
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    err = proc.stderr
+    rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", err).group(1))
+    cpu = sum(float(re.search(rf"{kind} time \(seconds\): ([\d.]+)", err).group(1)) for kind in ("User", "System"))
+    own = re.search(r"in ([\d.]+) s \(", err)
+    return {"peak_rss_gb": round(rss_kb / 2**20, 3), "wall_seconds": round(wall, 1), "cpu_seconds": round(cpu, 1),
+            "segment_seconds": float(own.group(1)) if own else None, "load_before": load_before,
+            "load_after": _load()}
+
+
+def speed(folder: Path, sizes, seed: int = 0) -> list[dict]:
+    import tifffile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cli = [sys.executable, "-m", "alibi_vit.cli.main", "segment"]
+    rows = []
+    for n in sizes:
+        image, lab = folder / f"vol{n}.tif", folder / f"vol{n}_labels.tif"
+        if not image.is_file():
+            volume, truth = microstructure(n, seed)
+            tifffile.imwrite(image, volume, photometric="minisblack")
+            tifffile.imwrite(lab, scribble_volume(truth, seed), photometric="minisblack")
+            del volume, truth
+        model, out = folder / f"model{n}", folder / f"out{n}"
+        train = _timed([*cli, "train", "--images", str(image), "--labels", str(lab), "--out", str(model)])
+        apply = _timed([*cli, "apply", "--model", str(model), "--images", str(image), "--out", str(out)])
+        voxels = n ** 3
+        row = {"size": n, "voxels": voxels, "train": train, "apply": apply,
+               "apply_seconds_per_1e8_voxels": round((apply["segment_seconds"] or apply["wall_seconds"]) * 1e8 / voxels, 1),
+               "apply_cpu_seconds_per_1e8_voxels": round(apply["cpu_seconds"] * 1e8 / voxels, 1)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        with open(folder / "speed_runs.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return rows
+
+
+def report(folder: Path, stem: str = "volumes_cpu") -> None:
+    from report import environment, write_report
+
+    accs = [json.loads(p.read_text()) for p in sorted(folder.glob("accuracy_*.json"))]
+    runs = [json.loads(line) for line in open(folder / "speed_runs.jsonl")]
+    machine = f"{platform.machine()} CPU, {os.cpu_count()} cores (shared with other jobs)"
+    lines = [f"# Volumes: 3D features vs slice-by-slice 2D ({machine})", "",
+             "Generated three-phase microstructure (porespy `blobs` pores, `overlapping_spheres` inclusions, matrix; "
+             f"grey values 0.2 / 0.5 / 0.8, blur σ {BLUR} voxels, Gaussian noise), two scribbles per phase on 3 XY "
+             "slices, default classifier; `python benchmarks/bench_volumes.py` (its docstring describes the set-up).",
+             "", "## Accuracy", "",
+             "| size | noise σ | seed | labelled voxels | features | mIoU | volume fraction error (pp): pore / matrix / "
+             "inclusion | fit (s) | predict (s) | load |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for acc in accs:
+        for kind in ["3d", "2d"] + [k for k in acc if k.startswith("3d ") or k.startswith("3d+vit")]:
+            r = acc[kind]
+            errs = " / ".join(f"{r['fraction_error_pp'][p]:.2f}" for p in PHASES.values())
+            lines.append(f"| {acc['size']}³ | {acc['noise']} | {acc['seed']} | {acc['labelled_voxels']} | {kind} | "
+                         f"{r['miou']:.4f} | {errs} | {r.get('fit_seconds', '–')} | {r.get('predict_seconds', r.get('seconds'))} | "
+                         f"{acc['load_before'][0]} → {acc['load_after'][0]} |")
+    lines += [""] + [f"- {a['size']}³, noise σ {a['noise']}, seed {a['seed']}: 3D − 2D = "
+                     f"{a['miou_gain_3d_over_2d']:+.4f} mIoU; true volume fractions (pore, matrix, inclusion) "
+                     + ", ".join(f"{t:.3f}" for t, _ in a["3d"]["fraction_true_pred"].values()) for a in accs]
+    lines += ["",
+              "## Time and memory (`segment train`, `segment apply` → mask stack; 16-bit TIFF input)", "",
+              "| size | command | peak RSS (GB) | wall (s) | segment (s) | CPU (s) | wall s per 10⁸ voxels | "
+              "CPU s per 10⁸ voxels | load |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        for cmd in ("train", "apply"):
+            c = r[cmd]
+            per = (r["apply_seconds_per_1e8_voxels"], r["apply_cpu_seconds_per_1e8_voxels"]) if cmd == "apply" \
+                else ("–", "–")
+            lines.append(f"| {r['size']}³ | {cmd} | {c['peak_rss_gb']:.2f} | {c['wall_seconds']} | "
+                         f"{c['segment_seconds'] or '–'} | {c['cpu_seconds']} | {per[0]} | {per[1]} | "
+                         f"{c['load_before'][0]} → {c['load_after'][0]} |")
+    payload = {"machine": machine, "environment": environment(), "accuracy": accs, "speed": runs,
+               "command": "python benchmarks/bench_volumes.py accuracy|speed|report --folder DIR"}
+    for path in write_report(None, stem, payload, lines):
+        print(f"wrote {path}")
+    print("\n".join(lines))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("action", choices=("accuracy", "speed", "report", "smoke"))
+    p.add_argument("--folder", type=Path, default=Path("volumes_bench"))
+    p.add_argument("--size", type=int, default=BASE)
+    p.add_argument("--sizes", type=int, nargs="+", default=[256, 512])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--noise", type=float, default=NOISE, help=f"accuracy: noise σ (grey values 0.2/0.5/0.8; default {NOISE})")
+    p.add_argument("--backbone", default=None, help="accuracy: also 3D filters + this backbone's triplanar features")
+    p.add_argument("--checkpoint", default=None, help="the backbone's weights (a file)")
+    p.add_argument("--vit-combine", nargs="+", default=["mean", "concat", "xy"],
+                   help="with --backbone: the ways of combining the three orientations to compare")
+    args = p.parse_args(argv)
+    if args.action == "smoke":
+        acc = accuracy(48, args.seed)
+        assert 0 < acc["3d"]["miou"] <= 1 and 0 < acc["2d"]["miou"] <= 1, acc
+        rows = speed(Path(tempfile.mkdtemp()), (48,), args.seed)
+        assert rows[0]["apply"]["peak_rss_gb"] > 0
+        print("smoke ok")
+        return 0
+    if args.action == "accuracy":
+        args.folder.mkdir(parents=True, exist_ok=True)
+        acc = accuracy(args.size, args.seed, args.noise, args.backbone, args.checkpoint,
+                       args.vit_combine if args.backbone else ())
+        name = f"accuracy_{args.size}_noise{args.noise:g}_seed{args.seed}.json"
+        (args.folder / name).write_text(json.dumps(acc, indent=2) + "\n")
+        print(json.dumps(acc, indent=2))
+    elif args.action == "speed":
+        speed(args.folder, args.sizes, args.seed)
+    else:
+        report(args.folder)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""benchmarks/bench_volumes.py: its scores and scribbles (porespy, the generator, is a bench extra:
+the run itself is tested only where it is installed)."""
+
+import numpy as np
+import pytest
+
+from tests.helpers import benchmark_module
+
+bench = benchmark_module("bench_volumes")
+
+
+def test_scores_are_mean_iou_and_volume_fraction_errors_in_points():
+    truth = np.ones((2, 4, 5), np.uint8)
+    truth[:, :, 3:] = 2  # 2·4·3 = 24 voxels of class 1, 2·4·2 = 16 of class 2
+    truth[1, 0, 0] = 3   # one voxel of class 3: 23 / 16 / 1 of 40
+    pred = truth.copy()
+    pred[0, :, 3] = 1    # 4 voxels of class 2 called 1: 27 / 12 / 1
+    s = bench.scores(pred, truth)
+    # IoU: class 1 23/27, class 2 12/16, class 3 1/1
+    assert s["miou"] == pytest.approx(np.mean([23 / 27, 12 / 16, 1.0]), abs=1e-4)
+    assert s["fraction_error_pp"] == {"pore": 10.0, "matrix": 10.0, "inclusion": 0.0}  # 4 of 40 voxels moved
+    assert s["max_fraction_error_pp"] == 10.0
+
+
+def test_scribbles_lie_on_three_xy_slices_and_agree_with_the_truth():
+    truth = np.ones((12, 40, 40), np.uint8)
+    truth[:, :, 20:] = 2
+    truth[:, 10:30, 5:15] = 3
+    labels = bench.scribble_volume(truth)
+    assert sorted(np.flatnonzero(labels.any(axis=(1, 2)))) == bench.label_slices(12) == [3, 6, 9]
+    on = labels > 0
+    np.testing.assert_array_equal(labels[on], truth[on])
+    for z in (3, 6, 9):
+        assert set(np.unique(labels[z])) == {0, 1, 2, 3}  # every phase scribbled on every slice
+
+
+@pytest.mark.slow
+def test_smoke_run():
+    pytest.importorskip("porespy")
+    assert bench.main(["smoke"]) == 0
