@@ -186,9 +186,9 @@ def test_sigterm_inside_a_run_writes_the_csv_and_releases_the_lock(tmp_path):
 
     with pytest.raises(SystemExit) as stop:
         with OutputFolder(tmp_path, {"model_digest": "d", "crf": "off", "modal": 0}, write_csv) as folder:
-            (folder.stage(tmp_path) / "m_mask.png").write_bytes(b"1")
+            (folder.stage("m.png", tmp_path) / "m_mask.png").write_bytes(b"1")
             folder.commit("m.png", tmp_path / "m.png", [("m.png", [1], 1)])
-            (folder.stage(tmp_path) / "n_mask.png").write_bytes(b"1")  # staged, not committed
+            (folder.stage("n.png", tmp_path) / "n_mask.png").write_bytes(b"1")  # staged, not committed
             os.kill(os.getpid(), signal.SIGTERM)
     assert stop.value.code == 128 + signal.SIGTERM
     assert written[-1] == ["m.png"] and (tmp_path / "area_fractions.csv").read_text() == "m.png"

@@ -222,7 +222,7 @@ def test_apply_skips_unreadable_images_writes_the_rest_and_fails(files, trained_
     assert "segmented 2 of 3 image(s)" in captured.out
     assert "warning: skipped" in captured.err and "broken.png" in captured.err
     assert captured.err.strip().splitlines()[-1] == \
-        "alibi-vit segment: error: 1 image(s) could not be read: broken.png"
+        "alibi-vit segment: error: 1 image(s) could not be segmented: broken.png"
     assert sorted(p.name for p in (tmp_path / "out").glob("*_mask.png")) == ["m0_mask.png", "m1_mask.png"]
 
 

@@ -147,3 +147,22 @@ def test_the_feature_hook_is_feature_fn_and_its_former_spelling_still_works(tmp_
     assert main(["segment", "train", "--images", str(tmp_path / "img"), "--labels", str(tmp_path / "img"),
                  "--features", "4d", "--out", str(tmp_path / "x")]) == 2
     assert "--features must be one of auto, 2d, 3d, got '4d'" in _one_line_error(capsys)
+
+
+def test_a_volume_on_a_local_cluster_writes_the_model_prediction_with_the_given_spacing(stack, tmp_path):
+    """--scheduler local:2: the volume is one unit on a worker process, which loads the model from its
+    files and must still take --spacing (other spacing: other 3D features, other masks)."""
+    root, volume, _, _ = stack
+    assert run(["apply", "--model", str(root / "m"), "--images", str(root / "img"), "--spacing", "4,1,1",
+                "--scheduler", "local:2", "--proba", "--out", str(tmp_path / "o")]) == 0
+    seg = TrainableSegmenter.load(root / "m")
+    seg.spacing = (4.0, 1.0, 1.0)
+    expected = seg.predict_proba([volume])[0]
+    mask = tifffile.imread(tmp_path / "o" / "v_mask.tif")
+    np.testing.assert_array_equal(mask, seg.classes_[expected.argmax(-1)])
+    for i, c in enumerate(seg.classes_):
+        np.testing.assert_allclose(tifffile.imread(tmp_path / "o" / f"v_proba_{c}.tif"), expected[..., i], atol=1e-6)
+    with open(tmp_path / "o" / "area_fractions.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["image"] for r in rows if r["image"] not in ("mean", "std")] == ["v.tif"]  # one row per volume
+    assert float(rows[0]["fraction_1"]) == pytest.approx((mask == 1).mean(), abs=1e-6)

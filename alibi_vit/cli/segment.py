@@ -24,8 +24,8 @@ the same name plus ``_labels``/``_label``/``_mask``/``_masks``/``_gt``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -45,6 +45,7 @@ PROTOCOLS = ("sparse", "dense", "authors")
 ACTIONS = {
     "train": "train a pixel classifier from images and sparse label images",
     "apply": "segment images with a trained model; an unreadable image is skipped, named, and ends in exit status 1",
+    "merge": "combine the shares of a run split with --shard into the folder's area_fractions.csv",
     "benchmark": "benchmarks: --dataset NAME scores configurations on the shipped labelled micrographs (mIoU, pixel "
                  "accuracy, spread over seeds); otherwise test mIoU per round of generated scribbles",
 }
@@ -177,6 +178,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="auto (default): as the model was trained; 2d: a model of 2D images segments volumes slice "
                         "by slice (without it, giving it a volume is an error); 3d: require a volume model")
     _add_volume_arguments(a)
+    _add_scale_out_arguments(a)
+    m = sub.add_parser("merge", help=ACTIONS["merge"], description=ACTIONS["merge"])
+    m.add_argument("out", type=Path, metavar="OUT",
+                   help="the --out folder the shares wrote (segment_run.shard-I-of-N.json, area_fractions.shard-I-of-N.csv)")
     b = sub.add_parser("benchmark", help=ACTIONS["benchmark"], description=ACTIONS["benchmark"])
     for name, what in (("train-images", "training images"), ("train-masks", "their complete ground-truth masks"),
                        ("test-images", "test images"), ("test-masks", "their ground-truth masks")):
@@ -219,6 +224,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--out", type=Path, default=Path("segment_benchmark"), metavar="DIR",
                    help="output folder: benchmark.csv, miou_vs_round and examples figures (default %(default)s)")
     add_figure_arguments(b)
+
+
+def _add_scale_out_arguments(a) -> None:
+    """apply's options for running beyond one process: Dask schedulers, SLURM, shares and resuming."""
+    g = a.add_argument_group("scale-out", "segmenting thousands of images or mosaics larger than a node: a Dask "
+                                          "cluster, SLURM worker jobs, or a SLURM job array (--shard)")
+    g.add_argument("--scheduler", default="threads", metavar="SPEC",
+                   help="threads (default: this process), local:N (N worker processes on this machine), "
+                        "tcp://HOST:PORT (a running Dask scheduler whose workers see the same files) or slurm "
+                        "(Dask workers as SLURM jobs; pip install 'alibi-vit[slurm]')")
+    g.add_argument("--worker-memory", default=None, metavar="SIZE",
+                   help="memory limit per worker of local:N or per SLURM job, e.g. 2GB (default: local:N shares "
+                        "the machine's memory; slurm: --slurm-memory)")
+    g.add_argument("--shard", default=None, metavar="I/N",
+                   help="segment only share I (0..N-1) of the inputs, every N-th image from the I-th (default in a "
+                        "SLURM job array: from SLURM_ARRAY_TASK_ID and SLURM_ARRAY_TASK_COUNT); then 'segment merge OUT'")
+    g.add_argument("--resume", action="store_true",
+                   help="keep the outputs of an earlier run whose manifest names this model, these settings and "
+                        "the same input (SHA-256), and segment the rest")
+    g.add_argument("--slurm-jobs", type=at_least(1), default=1, metavar="N", help="SLURM worker jobs (default 1)")
+    g.add_argument("--slurm-cores", type=at_least(1), default=None, metavar="N",
+                   help="cores per SLURM job, one single-threaded worker process each (default 4)")
+    g.add_argument("--slurm-memory", default=None, metavar="SIZE", help="memory per SLURM job (default 16GB)")
+    g.add_argument("--slurm-walltime", default=None, metavar="HH:MM:SS",
+                   help="time limit per SLURM job (default 01:00:00)")
+    g.add_argument("--slurm-queue", default=None, metavar="PARTITION", help="SLURM partition (default: the site's)")
+    g.add_argument("--slurm-account", default=None, metavar="ACCOUNT", help="SLURM account to charge")
+    g.add_argument("--slurm-config", type=Path, default=None, metavar="YAML",
+                   help="a YAML mapping of further dask_jobqueue.SLURMCluster arguments (job_extra_directives, "
+                        "job_script_prologue, ...); the --slurm-* options given override it")
 
 
 def _stems(path: Path) -> list[str]:
@@ -300,27 +335,6 @@ def _classifier_params(args):
     return {} if args.trees is None else {"n_estimators": args.trees}
 
 
-def _streamed_view(path: Path, out_format: str):
-    """The lazy view (or, for a streamed format, the array) of an image that is segmented tile by tile,
-    or None for one read whole: zarr stores, single-plane TIFFs above ``WHOLE_PIXELS``, and any
-    image with a streamed ``out_format``. A large image with a single-file format is an error."""
-    from ..chunked import TIFF_SUFFIXES, is_zarr_path, open_image
-    from ..images import read_array
-
-    lazy = is_zarr_path(path) or path.suffix.lower() in TIFF_SUFFIXES
-    image = open_image(path) if lazy else None
-    if image is not None and image.planes > 1 and not is_zarr_path(path):
-        return None  # a TIFF stack of slices: read whole, slice by slice (a zarr volume is refused by name)
-    big = image is not None and (is_zarr_path(path) or image.shape[0] * image.shape[1] > WHOLE_PIXELS)
-    if big and out_format in ("png", "tif"):
-        raise ValueError(f"{path} is {image.shape[0]}×{image.shape[1]} px{' (zarr)' if is_zarr_path(path) else ''}: "
-                         f"it is segmented tile by tile, which --out-format {out_format} cannot write; use "
-                         "--out-format auto, ome-zarr or bigtiff")
-    if big or out_format in STREAMED_FORMATS:
-        return image if image is not None else read_array(path)
-    return None
-
-
 def _feature_modes(args) -> str:
     """The --features mode; a MODULE:FUNCTION value is the user hook's former spelling (--feature-fn)."""
     if args.features not in FEATURE_MODES:
@@ -385,7 +399,7 @@ def _train(args) -> int:
         raise ValueError("--spacing is for volumes on 3D features; these images are trained on 2D features")
     images, labels = [], []
     for img, lab in tqdm(pairs, desc="read", disable=len(pairs) < 2):
-        view = _streamed_view(img, "auto")
+        view = _image_format(img, "auto")[1]
         if view is not None:  # read lazily: only the tiles that hold labels are read
             images.append(view)
             labels.append(_lazy_labels(lab))
@@ -419,13 +433,9 @@ def _train(args) -> int:
 
 def _slices(path: Path):
     """The slices of a stack (a multi-page TIFF, or a folder of numbered slices), or None for one image."""
-    from ..chunked import is_zarr_path, open_slice_folder
-    from ..trainable.io import read_slices
+    from ..trainable.batch import read_stack
 
-    if path.is_dir() and not is_zarr_path(path):
-        volume = open_slice_folder(path)
-        return list(volume.read_box(slice(None), slice(None), slice(None)))
-    return read_slices(path)
+    return read_stack(path)
 
 
 def _train_volumes(args, pairs, backbone_kwargs) -> int:
@@ -464,32 +474,32 @@ def _lazy_labels(path: Path):
     return read_labels(path)
 
 
-def _segment_streamed(seg, path: Path, image, dest: Path, stem: str, name: str, args):
-    """Segment one image tile by tile into ``dest``; (class pixel counts, pixel count) for the CSV."""
-    from ..chunked import is_zarr_path
-    from ..trainable.stream import segment_to_files
+def _image_format(path: Path, out_format: str):
+    """(format of its outputs, its chunked view or None) of one input, reading metadata only: images
+    read lazily (zarr stores, single-plane TIFFs above ``WHOLE_PIXELS``, any TIFF with a streamed
+    ``out_format``) are segmented tile by tile; a PNG with a streamed format streams in one piece."""
+    from ..chunked import TIFF_SUFFIXES, is_zarr_path, open_image
 
-    fmt = args.out_format if args.out_format in STREAMED_FORMATS else "ome-zarr" if is_zarr_path(path) else "bigtiff"
-    if seg.dims == 3 and args.out_format in ("auto", "tif"):
-        fmt = "ome-zarr" if is_zarr_path(path) and args.out_format == "auto" else "tif"  # a stack, like its input
-    started, cpu = time.perf_counter(), time.process_time()
-    result = segment_to_files(seg, image, dest, stem, fmt, proba=args.proba, overlays=not args.no_overlay)
-    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
-    if result.note:
-        tqdm.write(f"note: {result.note}", file=sys.stderr)
-    unit = "M voxels" if seg.dims == 3 else "MP"
-    tqdm.write(f"{name}: {result.size / 1e6:.1f} {unit} in {seconds:.1f} s ({result.size / 1e6 / seconds:.2f} {unit}/s, "
-               f"{cpu:.0f} CPU s) → " + ", ".join(p.name for p in result.paths), file=sys.stderr)
-    return result.counts, result.size
+    zarr = is_zarr_path(path)
+    image = open_image(path) if zarr or path.suffix.lower() in TIFF_SUFFIXES else None
+    if image is not None and image.planes > 1 and not zarr:
+        return "tif", None  # a TIFF stack of slices: read whole, slice by slice, written back as a TIFF stack
+    big = image is not None and (zarr or image.shape[0] * image.shape[1] > WHOLE_PIXELS)
+    if big and out_format in ("png", "tif"):
+        raise ValueError(f"{path} is {image.shape[0]}×{image.shape[1]} px{' (zarr)' if zarr else ''}: "
+                         f"it is segmented tile by tile, which --out-format {out_format} cannot write; use "
+                         "--out-format auto, ome-zarr or bigtiff")
+    if out_format in STREAMED_FORMATS:
+        return out_format, image
+    if big:
+        return ("ome-zarr" if zarr else "bigtiff"), image
+    return ("tif" if out_format == "tif" else "png"), None
 
 
-def _apply(args) -> int:
-    from functools import partial
-
-    from ..images import ImageReadError
-    from ..trainable import TrainableSegmenter
-    from ..trainable.io import list_image_files, write_colour_key, write_fractions_csv
-    from ..trainable.output_folder import CSV_NAME, OutputFolder, model_digest, output_names
+def _apply_inputs(args):
+    """Every input image and its output names (:func:`~alibi_vit.trainable.output_folder.output_names`)."""
+    from ..trainable.io import list_image_files
+    from ..trainable.output_folder import output_names
 
     files, sources, relative = [], [], []
     for src in args.images:
@@ -499,36 +509,106 @@ def _apply(args) -> int:
             files.append(f)
             sources.append(Path(src))
             relative.append(f.relative_to(src) if Path(src).is_dir() and f != Path(src) else Path(f.name))
-    outputs, notes = output_names(files, sources, relative)
+    names, notes = output_names(files, sources, relative)  # over every input, so each share names alike
     for note in notes:
         warnings.warn(note)
-    where = {f: (args.out / o.folder, o.row, o.stem) for f, o in zip(files, outputs)}  # output folder, CSV name, stem
-    check_folder_path(args.out)
-    if args.modal is not None and args.modal % 2 == 0 and args.modal:
-        raise ValueError(f"--modal must be 0 or an odd window size, got {args.modal}")
-    seg = TrainableSegmenter.load(args.model, device=args.device)
-    streamed = _check_dimensions(args, seg, files)  # image → its chunked view when it is streamed (or the error)
+    return files, names
+
+
+def _check_channels_once(seg, files, kinds) -> None:
+    """A colour model given grayscale images (or the reverse) fails before any work: the first
+    readable image is read for that (twice in all), so the error is one clean line."""
+    from ..images import read_array
+
     for path in files:
-        if path in streamed:
+        kind = kinds[path]
+        if isinstance(kind, Exception):
             continue
         try:
-            streamed[path] = _streamed_view(path, args.out_format)
-        except ImageReadError as err:  # reported in the loop below
-            streamed[path] = err
+            first = kind[1] if kind[1] is not None else (_slices(path) or [read_array(path)])[0]
+        except (OSError, ValueError):
+            continue  # reported when its turn comes
+        if getattr(first, "planes", 1) > 1:
+            continue
+        seg.check_channels(first, str(path))
+        return
+
+
+def _apply(args) -> int:
+    from functools import partial
+
+    from ..images import ImageReadError
+    from ..trainable import TrainableSegmenter
+    from ..trainable.batch import ImageJob, ModelPackage, chunked_units, run_jobs
+    from ..trainable.io import write_colour_key, write_fractions_csv
+    from ..trainable.output_folder import OutputFolder, model_digest
+    from ..trainable.scheduler import SlurmOptions, open_executor, parse_scheduler, parse_shard, shard_from_environment
+
+    scheduler = parse_scheduler(args.scheduler)
+    shard = parse_shard(args.shard) if args.shard is not None else shard_from_environment()
+    if args.modal is not None and args.modal % 2 == 0 and args.modal:
+        raise ValueError(f"--modal must be 0 or an odd window size, got {args.modal}")
+    files, names = _apply_inputs(args)
+    check_folder_path(args.out)
+    if shard is not None:
+        index, count = shard
+        files, names = files[index::count], names[index::count]
+        print(f"share {index}/{count}: {len(files)} image(s)", file=sys.stderr)
+    seg = TrainableSegmenter.load(args.model, device=args.device)
+    volumes = _check_dimensions(args, seg, files)  # a volume model's inputs: their views (or why they can't open)
+    kinds = {}  # image → (format of its outputs, its chunked view or None), or why it cannot be read
+    for path in files:
+        try:
+            kinds[path] = ((volumes[path] if isinstance(volumes[path], Exception) else
+                            (_volume_format(path, args.out_format), volumes[path])) if seg.dims == 3
+                           else _image_format(path, args.out_format))
+        except ImageReadError as err:  # reported as skipped below
+            kinds[path] = err
     if args.modal is not None:
         seg.modal = args.modal
     if args.crf != "model":
         seg.crf = {"on": DEFAULT_CRF_PRESET, "off": False}.get(args.crf, args.crf)
+    if seg.dims == 2:
+        _check_channels_once(seg, files, kinds)
     k = int(seg.classes_.max())
-    settings = {"model": str(Path(args.model).resolve()), "model_digest": model_digest(args.model), "crf": seg.crf or "off",
-                "modal": seg.modal, "format": args.out_format, "proba": args.proba, "overlay": not args.no_overlay}
-    with OutputFolder(args.out, settings, partial(write_fractions_csv, classes=seg.classes_)) as folder:
-        failed = _apply_all(args, seg, files, where, folder, k, streamed)
-    write_colour_key(args.out / "colour_key.png", seg.classes_, k)
-    print(f"segmented {len(files) - len(failed)} of {len(files)} image(s) into {args.out} "
-          f"(area fractions per class in {args.out / CSV_NAME})")
+    digest = model_digest(args.model)
+    settings = {"model": str(Path(args.model).resolve()), "model_digest": digest, "crf": seg.crf or "off",
+                "modal": seg.modal, "format": args.out_format, "proba": args.proba, "overlay": not args.no_overlay,
+                "classes": [int(c) for c in seg.classes_],
+                **({"spacing": list(args.spacing) if args.spacing else None} if seg.dims == 3 else {})}
+    slurm = SlurmOptions(jobs=args.slurm_jobs, cores=args.slurm_cores, memory=args.slurm_memory,
+                         walltime=args.slurm_walltime, queue=args.slurm_queue, account=args.slurm_account,
+                         config=args.slurm_config)
+    unreadable = [(p, kinds[p]) for p in files if isinstance(kinds[p], Exception)]
+    with OutputFolder(args.out, settings, partial(write_fractions_csv, classes=seg.classes_), shard=shard) as folder:
+        jobs = []
+        for path, name in zip(files, names):
+            if isinstance(kinds[path], Exception):
+                continue
+            fmt, view = kinds[path]
+            earlier = folder.finished(name.row) if args.resume else None
+            jobs.append(ImageJob(str(path), name.row, name.stem, str(folder.stage(name.row, args.out / name.folder)),
+                                 fmt, args.proba, not args.no_overlay, chunked=view is not None and seg.dims == 2,
+                                 units=chunked_units(view.shape, seg) if view is not None and seg.dims == 2 else 1,
+                                 resume_sha256=earlier.get("input_sha256") if earlier else None,
+                                 volume=seg.dims == 3))
+        for path, err in unreadable:
+            warnings.warn(f"skipped {path}: {err}")
+        with open_executor(scheduler, worker_memory=args.worker_memory, slurm=slurm) as executor:
+            if executor.dashboard:
+                print(f"Dask dashboard: {executor.dashboard}", file=sys.stderr)
+            model = seg if scheduler.kind == "threads" else executor.broadcast(
+                ModelPackage.from_folder(args.model, digest, seg.crf, seg.modal, args.device,
+                                          spacing=args.spacing if seg.dims == 3 else None))
+            outcome = run_jobs(executor, model, jobs, folder)
+    key = write_colour_key(args.out / ".colour_key.part.png", seg.classes_, k)  # complete or absent: shares
+    os.replace(key, args.out / "colour_key.png")  # write it at the same time
+    failed = sorted([p.name for p, _ in unreadable] + [name for name, _ in outcome.failed])  # not in completion order
+    kept = f"; {outcome.kept} kept from an earlier run (--resume)" if args.resume else ""
+    print(f"segmented {outcome.written} of {len(files)} image(s) into {args.out}{kept} "
+          f"(area fractions per class in {folder.csv_path})")
     if failed:
-        print(f"alibi-vit segment: error: {len(failed)} image(s) could not be read: {', '.join(failed)}",
+        print(f"alibi-vit segment: error: {len(failed)} image(s) could not be segmented: {', '.join(failed)}",
               file=sys.stderr)
         return 1
     return 0
@@ -578,85 +658,25 @@ def _check_dimensions(args, seg, files) -> dict:
     return views
 
 
-def _apply_all(args, seg, files, where, folder, k, streamed) -> list[str]:
-    """Segment ``files`` into ``folder`` (an :class:`OutputFolder`); the names of those that could not be read.
-    ``streamed``: per image its lazy view when it is segmented tile by tile, an error when it cannot be opened."""
-    from ..images import read_array, scale_colour
-    from ..trainable.io import area_fractions, overlay, write_mask, write_proba
-    from ..trainable.writers import OutputError
+def _volume_format(path: Path, out_format: str) -> str:
+    """The format of a volume's outputs: a TIFF stack like its input (auto, tif), OME-Zarr for a zarr
+    input (auto) or when asked, an OME-TIFF stack (bigtiff)."""
+    from ..chunked import is_zarr_path
 
-    failed = []
+    if out_format in ("auto", "tif"):
+        return "ome-zarr" if is_zarr_path(path) and out_format == "auto" else "tif"
+    return out_format
 
-    def read(path):
-        stack = _slices(path)
-        return (stack, True) if stack is not None else ([read_array(path)], False)
 
-    # A colour model given grayscale images (or the reverse) fails before the progress bar and any output:
-    # one image is read twice for that, so the error stays a single clean line.
-    for path in files:
-        try:
-            first = streamed[path] if streamed[path] is not None else read(path)[0][0]
-        except (OSError, ValueError):
-            continue  # reported in the loop below
-        if isinstance(first, Exception) or getattr(first, "planes", 1) > 1:
-            continue
-        seg.check_channels(first, str(path))
-        break
-    for path in tqdm(files, desc="segment"):
-        if isinstance(streamed[path], Exception):
-            warnings.warn(f"skipped {path}: {streamed[path]}")
-            failed.append(path.name)
-            continue
-        if streamed[path] is not None:
-            row, stem = where[path][1], where[path][2]
-            try:
-                counts, size = _segment_streamed(seg, path, streamed[path], folder.stage(where[path][0]), stem, row,
-                                                 args)
-            except OutputError:
-                raise
-            except (OSError, ValueError) as err:  # a damaged tile: this image is skipped, the others go on
-                warnings.warn(f"skipped {path}: {err}")
-                failed.append(path.name)
-                continue
-            folder.commit(row, path, [(row, counts, size)])
-            continue
-        try:
-            arrays, is_stack = read(path)
-        except (OSError, ValueError) as err:  # one unreadable file must not cost the others their masks
-            warnings.warn(f"skipped {path}: {err}")
-            failed.append(path.name)
-            continue
-        seg.check_channels(arrays[0], str(path))  # a colour model given grey images (or the reverse): an error
-        try:
-            scaled = [seg.scale(a, f"{path} slice {z}" if is_stack else str(path)) for z, a in enumerate(arrays)]
-        except (OSError, ValueError) as err:  # one unreadable file must not cost the others their masks
-            warnings.warn(f"skipped {path}: {err}")
-            failed.append(path.name)
-            continue
-        probas = [seg.predict_proba([x], scaled=True)[0]
-                  for x in tqdm(scaled, desc=f"{path.name} slices", leave=False, disable=not is_stack)]
-        masks = [seg.mask_from_proba(p) for p in probas]
-        dest, row, stem = folder.stage(where[path][0]), where[path][1], where[path][2]
-        rows = [(f"{row}[{z}]" if is_stack else row, area_fractions(mask, seg.classes_)[0], mask.size)
-                for z, mask in enumerate(masks)]
-        if is_stack:  # written back as a stack: TIFF whatever --format says; no overlays
-            write_mask(dest / f"{stem}_mask.tif", np.stack(masks), k)
-            if args.proba:
-                write_proba(dest, stem, np.stack(probas), seg.classes_)
-            folder.commit(row, path, rows)
-            continue
-        array, image01, proba, mask = arrays[0], scaled[0], probas[0], masks[0]
-        write_mask(dest / f"{stem}_mask.{'tif' if args.out_format == 'tif' else 'png'}", mask, k)
-        if args.proba:
-            write_proba(dest, stem, proba, seg.classes_)
-        if not args.no_overlay:
-            from PIL import Image
+def _merge(args) -> int:
+    from functools import partial
 
-            # Colour images are shown in their own colours (by dtype), grayscale as the model scaled it.
-            shown = scale_colour(array, "auto", str(path)) if image01.ndim == 3 else image01
-            Image.fromarray(overlay(shown, mask, 0.4, k)).save(dest / f"{stem}_overlay.png")
-        folder.commit(row, path, rows)
-    return failed
+    from ..trainable.io import write_fractions_csv
+    from ..trainable.output_folder import CSV_NAME, merge_shards
+
+    shares, images = merge_shards(args.out, lambda classes: partial(write_fractions_csv, classes=classes))
+    print(f"merged {shares} shares: {images} image(s); area fractions per class in {args.out / CSV_NAME}")
+    return 0
 
 
 def _read_set(image_sources, mask_sources, what):
@@ -790,4 +810,4 @@ def _dataset_benchmark(args) -> int:
 
 
 def run(args) -> int:
-    return {"train": _train, "apply": _apply, "benchmark": _benchmark}[args.action](args)
+    return {"train": _train, "apply": _apply, "merge": _merge, "benchmark": _benchmark}[args.action](args)

@@ -78,9 +78,44 @@ class ZarrOutput:
             self.levels = [self._create("0", self.shape, dtype)]
             if pyramid:
                 self._write_metadata(colours)
+            else:  # a bare array: how many of its axes are spatial, for reopen
+                self.group.attrs["spatial_axes"] = len(self.shape)
         except OSError as err:
             raise _fail(self.path, err) from err
         self._colours = colours
+
+    @classmethod
+    def reopen(cls, path) -> "ZarrOutput":
+        """A store that an earlier ZarrOutput created (here, or in another process), open for writing
+        tiles: its chunk size, channels, pyramid, sampling and colours as it was created with."""
+        import zarr
+
+        self = cls.__new__(cls)
+        self.path = Path(path)
+        try:
+            self.group = zarr.open_group(str(self.path), mode="r+", zarr_format=2)
+        except Exception as err:  # zarr raises several types for a store that is not there
+            raise OutputError(f"cannot open {self.path} ({type(err).__name__}: {err})") from err
+        level0 = self.group["0"]
+        multiscales = self.group.attrs.get("multiscales")
+        spatial = (sum(a["type"] == "space" for a in multiscales[0]["axes"]) if multiscales
+                   else int(self.group.attrs.get("spatial_axes", 2)))
+        self.channels = level0.shape[0] if level0.ndim == spatial + 1 else 1
+        self.shape, self.chunk = tuple(level0.shape[-spatial:]), int(level0.chunks[-1])
+        scale = multiscales[0]["datasets"][0]["coordinateTransformations"][0]["scale"] if multiscales else []
+        self.spacing = tuple(float(v) for v in scale[-spatial:]) if multiscales else (1.0,) * spatial
+        self.pyramid = multiscales is not None
+        self.nearest = bool(multiscales) and multiscales[0].get("type") == "nearest"
+        self.name = multiscales[0].get("name", self.path.name) if multiscales else self.path.name
+        self.levels = [level0]
+        label = self.group.attrs.get("image-label")
+        self._colours = None
+        if label:
+            colours = np.zeros((len(label["colors"]) + 1, 3), np.uint8)
+            for entry in label["colors"]:
+                colours[entry["label-value"]] = entry["rgba"][:3]
+            self._colours = colours
+        return self
 
     def _create(self, name: str, shape, dtype):
         lead = (self.channels,) if self.channels > 1 else ()
