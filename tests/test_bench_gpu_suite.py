@@ -94,6 +94,13 @@ def test_tests_phase_collects_every_gpu_test_file_in_disjoint_shares(gpu_image):
     assert len(list(out.iterdir())) <= MAX_FILES
 
 
+def test_every_test_module_collects_on_the_gpu_image(gpu_image):
+    """`pytest -m gpu tests/` on the GPU image: a module needing a package the image lacks skips, never errors."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                           "tests/"], cwd=ROOT, env=gpu_image, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("phase,tag", [("sweep-518", "518"), ("flex", "flex-518")])
 def test_benchmark_phases_write_their_rows_as_they_go(gpu_image, phase, tag):
     proc, out, status = _smoke(gpu_image, phase)

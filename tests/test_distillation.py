@@ -21,11 +21,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import alibi_vit  # noqa: F401  (registers the ALiBi models with timm)
 from alibi_vit import patch_features
-from lit_modules.cli import cli, main, newest_resume_checkpoint
-from alibi_vit.analysis.feature_maps import shared_pca_rgb
-from lit_modules.distillation import KNOWN_BLANK_CHANNELS, DistillationModule, cosine_distance
-from lit_modules.export import export_student
-from tests.helpers import benchmark_module
+pytest.importorskip("jsonargparse", reason="the lightning CLI needs jsonargparse (the GPU image lacks it)")
+from lit_modules.cli import cli, main, newest_resume_checkpoint  # noqa: E402
+from alibi_vit.analysis.feature_maps import shared_pca_rgb  # noqa: E402
+from lit_modules.distillation import KNOWN_BLANK_CHANNELS, DistillationModule, cosine_distance  # noqa: E402
+from lit_modules.export import export_student  # noqa: E402
+from tests.helpers import benchmark_module  # noqa: E402
 
 # In-process CLI runs see pytest's own argv too; Lightning warns about that, harmlessly.
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")

@@ -16,8 +16,9 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
-from lit_modules.callbacks import LastCheckpoint, TrainingInterrupted
-from lit_modules.cli import cli, main
+pytest.importorskip("jsonargparse", reason="the lightning CLI needs jsonargparse (the GPU image lacks it)")
+from lit_modules.callbacks import LastCheckpoint, TrainingInterrupted  # noqa: E402
+from lit_modules.cli import cli, main  # noqa: E402
 
 # In-process CLI runs see pytest's own argv too; Lightning warns about that, harmlessly.
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
