@@ -300,8 +300,9 @@ def report(result: dict, args) -> tuple[Path, Path]:
     return write_report(args.out_dir, "app_speed_cpu", payload, lines, smoke=args.smoke)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def run_and_report(args, run, report) -> int:
+    """``run(args)`` with the 1-minute load average before and after it recorded in its result, then
+    ``report(result, args)`` written and printed (also bench_app_bigimage.py's main)."""
     load_before = os.getloadavg()[0]
     result = run(args)
     result["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}
@@ -309,6 +310,10 @@ def main(argv=None) -> int:
     print(md.read_text())
     print(f"wrote {md} and {js}")
     return 0
+
+
+def main(argv=None) -> int:
+    return run_and_report(parse_args(argv), run, report)
 
 
 if __name__ == "__main__":

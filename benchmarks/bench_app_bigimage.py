@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from app_driver import (Server, draw, launch_chromium, strokes_inside, to_screen, wait_idle,  # noqa: E402
                         wait_timing)
-from bench_app import cpu_name, peak_rss_gb  # noqa: E402
+from bench_app import cpu_name, peak_rss_gb, run_and_report  # noqa: E402
 from report import command_line, environment, write_report  # noqa: E402
 
 TARGETS = {"train_to_overlay_s": 3.0, "open_big_s": 3.0, "server_peak_rss_gb": 2.5}
@@ -222,14 +222,7 @@ def report(result: dict, args) -> tuple[Path, Path]:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    load_before = os.getloadavg()[0]
-    result = run(args)
-    result["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}
-    md, js = report(result, args)
-    print(md.read_text())
-    print(f"wrote {md} and {js}")
-    return 0
+    return run_and_report(parse_args(argv), run, report)
 
 
 if __name__ == "__main__":

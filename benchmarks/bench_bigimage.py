@@ -37,14 +37,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import load_average  # noqa: E402
 BASE = 2048
 SIZES = (2048, 8192, 16384)
 FORMATS = ("bigtiff", "ome-zarr")
 CHUNK = 512
-
-
-def _load() -> list[float]:
-    return [round(v, 2) for v in os.getloadavg()]
 
 
 def _mirror_index(n: int, period: int) -> np.ndarray:
@@ -127,7 +124,7 @@ def apply_runs(folder: Path, sizes, formats, repeat: int = 1) -> list[dict]:
             image = folder / (f"img{n}.tif" if fmt == "bigtiff" else f"img{n}.ome.zarr")
             for _ in range(repeat):
                 out = folder / f"out_{fmt}_{n}"
-                load_before = _load()
+                load_before = load_average()
                 cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "alibi_vit.cli.main", "segment", "apply",
                        "--model", str(folder / "model"), "--images", str(image), "--out", str(out),
                        "--out-format", fmt]
@@ -147,7 +144,7 @@ def apply_runs(folder: Path, sizes, formats, repeat: int = 1) -> list[dict]:
                        "wall_seconds": round(wall, 1), "segment_seconds": float(own.group(1)) if own else None,
                        "process_cpu_seconds": round(cpu, 1),
                        "segment_cpu_seconds": float(own_cpu.group(1)) if own_cpu else None,
-                       "load_before": load_before, "load_after": _load()}
+                       "load_before": load_before, "load_after": load_average()}
                 row["mp_per_s"] = round(row["megapixels"] / (row["segment_seconds"] or wall), 3)
                 if row["segment_cpu_seconds"]:  # load-independent: megapixels per CPU second
                     row["mp_per_cpu_s"] = round(row["megapixels"] / row["segment_cpu_seconds"], 3)

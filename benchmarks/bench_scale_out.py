@@ -36,11 +36,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import load_average  # noqa: E402
 COUNT, SIZE, MOSAIC, CHUNK, BASES = 200, 1024, 16384, 512, 10
-
-
-def _load() -> float:
-    return round(os.getloadavg()[0], 2)
 
 
 def make(folder: Path, count: int = COUNT, size: int = SIZE, mosaic: int = MOSAIC, base: int = 2048) -> None:
@@ -107,7 +104,7 @@ def run_apply(folder: Path, images: Path, out: Path, scheduler: str, extra=()) -
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "alibi_vit.cli.main", "segment", "apply", "--model", str(folder / "model"),
            "--images", str(images), "--out", str(out), "--scheduler", scheduler, *extra]
-    load_before, started = _load(), time.perf_counter()
+    load_before, started = load_average()[0], time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "TQDM_DISABLE": "1"})
     sampler = _TreeSampler(proc.pid)
@@ -125,7 +122,7 @@ def run_apply(folder: Path, images: Path, out: Path, scheduler: str, extra=()) -
            "driver_cpu_seconds": round(sampler.cpu.get(proc.pid, 0.0), 1),  # the rest: its workers (and nannies)
            "driver_peak_rss_gb": round(rss.get(proc.pid, 0) / 2**30, 3),
            "worker_peak_rss_gb": sorted(round(v / 2**30, 3) for v in workers if v > 200 * 2**20),
-           "load_before": load_before, "load_after": _load(), "summary": stdout.strip().splitlines()[-1]}
+           "load_before": load_before, "load_after": load_average()[0], "summary": stdout.strip().splitlines()[-1]}
     print(row, flush=True)
     with open(folder / "runs.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")

@@ -46,14 +46,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import load_average  # noqa: E402
 BASE = 256
 PHASES = {1: "pore", 2: "matrix", 3: "inclusion"}
 GREY = {1: 0.2, 2: 0.5, 3: 0.8}
 BLUR, NOISE = 1.5, 0.25
-
-
-def _load() -> list[float]:
-    return [round(v, 2) for v in os.getloadavg()]
 
 
 def microstructure(n: int = BASE, seed: int = 0, noise: float = NOISE) -> tuple[np.ndarray, np.ndarray]:
@@ -108,7 +105,7 @@ def accuracy(size: int, seed: int = 0, noise: float = NOISE, backbone: str | Non
     volume, truth = microstructure(size, seed, noise)
     labels = scribble_volume(truth, seed)
     zs = label_slices(size)
-    rows = {"size": size, "seed": seed, "noise": noise, "blur": BLUR, "labelled_voxels": int((labels > 0).sum()), "load_before": _load()}
+    rows = {"size": size, "seed": seed, "noise": noise, "blur": BLUR, "labelled_voxels": int((labels > 0).sum()), "load_before": load_average()}
     t = time.perf_counter()
     seg3 = VolumeSegmenter(seed=seed).fit(volume, labels)
     fit3 = time.perf_counter() - t
@@ -141,12 +138,12 @@ def accuracy(size: int, seed: int = 0, noise: float = NOISE, backbone: str | Non
         pred = seg.predict([volume])[0]
         rows[f"3d+vit {combine}"] = {**scores(pred, truth), "backbone": backbone, "checkpoint": checkpoint,
                                      "seconds": round(time.perf_counter() - t, 1)}
-    rows["load_after"] = _load()
+    rows["load_after"] = load_average()
     return rows
 
 
 def _timed(cmd: list[str]) -> dict:
-    load_before = _load()
+    load_before = load_average()
     t = time.perf_counter()
     proc = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True,
                           env={**os.environ, "TQDM_DISABLE": "1"})
@@ -159,7 +156,7 @@ def _timed(cmd: list[str]) -> dict:
     own = re.search(r"in ([\d.]+) s \(", err)
     return {"peak_rss_gb": round(rss_kb / 2**20, 3), "wall_seconds": round(wall, 1), "cpu_seconds": round(cpu, 1),
             "segment_seconds": float(own.group(1)) if own else None, "load_before": load_before,
-            "load_after": _load()}
+            "load_after": load_average()}
 
 
 def speed(folder: Path, sizes, seed: int = 0) -> list[dict]:

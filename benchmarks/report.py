@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
 import shlex
@@ -36,6 +37,11 @@ def environment() -> dict:
     except ImportError:
         env["triton"] = None
     return env
+
+
+def load_average() -> list[float]:
+    """The 1-, 5- and 15-minute load averages, rounded: what a benchmark row records beside its times."""
+    return [round(v, 2) for v in os.getloadavg()]
 
 
 def write_report(out_dir: Path | None, stem: str, payload: dict, markdown: list[str], *,
