@@ -1124,43 +1124,36 @@ def atomic_dq_enabled(q=None):
 
 
 @contextlib.contextmanager
+def _temporarily(name: str, value):
+    """The module setting ``name`` holds ``value`` inside the block, its previous value again after it."""
+    previous = globals()[name]
+    globals()[name] = value
+    try:
+        yield
+    finally:
+        globals()[name] = previous
+
+
 def bias_compiled_out():
     """Benchmark baseline only: calls inside the block run the same kernels with the bias compiled out
     (``HAS_BIAS=False``), i.e. plain attention without ALiBi, at the same launch configs."""
-    global _HAS_BIAS
-    previous, _HAS_BIAS = _HAS_BIAS, False
-    try:
-        yield
-    finally:
-        _HAS_BIAS = previous
+    return _temporarily("_HAS_BIAS", False)
 
 
-@contextlib.contextmanager
 def atomic_dq(enabled: bool | None = True):
     """Backward passes run inside the block use atomic dQ (True) or the deterministic two-kernel backward
     (False), whatever ``ALIBI_TRITON_ATOMIC_DQ`` says; None: :func:`atomic_dq_default`."""
-    global _ATOMIC_DQ
-    previous, _ATOMIC_DQ = _ATOMIC_DQ, (None if enabled is None else bool(enabled))
-    try:
-        yield
-    finally:
-        _ATOMIC_DQ = previous
+    return _temporarily("_ATOMIC_DQ", None if enabled is None else bool(enabled))
 
 
-@contextlib.contextmanager
 def backward_bias(mode: str = "auto"):
     """Backward passes run inside the block derive the bias in ``mode``: "auto" (:func:`backward_uses_table`),
     "same" as their forward, or "table"/"sqrt" whatever the forward used (Euclidean metric; Manhattan always
     gathers). The two modes give the same values up to fp32 rounding, so a forward in one mode and a
     backward in the other agree; which is faster differs between the passes on an H100."""
-    global _BWD_BIAS
     if mode not in BACKWARD_BIAS_MODES:
         raise ValueError(f"backward bias mode must be one of {BACKWARD_BIAS_MODES}, got {mode!r}")
-    previous, _BWD_BIAS = _BWD_BIAS, mode
-    try:
-        yield
-    finally:
-        _BWD_BIAS = previous
+    return _temporarily("_BWD_BIAS", mode)
 
 
 def backward_uses_table(q, use_table, metric, atomic):
