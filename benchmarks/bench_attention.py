@@ -79,6 +79,8 @@ SIZES = (224, 518, 1022, 2072)
 SDPA_PINNED = {"sdpa-nobias-flash": "FLASH_ATTENTION", "sdpa-nobias-cudnn": "CUDNN_ATTENTION",
                "sdpa-nobias-efficient": "EFFICIENT_ATTENTION", "sdpa-bias-cudnn": "CUDNN_ATTENTION",
                "sdpa-bias-efficient": "EFFICIENT_ATTENTION"}
+# Variants that differ from "triton" in the backward only (their forward rows would repeat triton's).
+BACKWARD_VARIANTS = ("triton-atomic-dq", "triton-two-kernel", "triton-sqrt-bwd", "triton-table-bwd")
 TRITON_VARIANTS = ("triton", "triton-atomic-dq", "triton-two-kernel", "triton-sqrt", "triton-sqrt-bwd", "triton-table-bwd",
                    "triton-nobias")
 FLEX_VARIANTS = ("flex", "flex-table", "flex-flash", "flex-nobias")
@@ -347,8 +349,7 @@ def run(args, progress=lambda rows: None):
                     learned = slope_kind == "learned"
                     entries, first = [], len(rows)
                     for name, fn in fns.items():
-                        if ((mode == "fwd" and name in ("triton-atomic-dq", "triton-two-kernel", "triton-sqrt-bwd",
-                                                              "triton-table-bwd"))
+                        if ((mode == "fwd" and name in BACKWARD_VARIANTS)
                                 or (name in NOBIAS and slope_kind != "constant")):
                             continue  # their forward is triton's; bias-free backends ignore slopes
                         row = dict(model=model, heads=heads, image_px=px, grid=list(grid), N=n, batch=bsz, mode=mode,
@@ -450,8 +451,7 @@ def ratios(rows):
     for model, px, mode, slopes in groups:
         def get(backend, _s=slopes):
             return keyed.get((model, px, mode, None if backend in NOBIAS else _s, backend))
-        for variant in ("triton", "triton-atomic-dq", "triton-two-kernel", "triton-sqrt", "triton-sqrt-bwd",
-                        "triton-table-bwd"):
+        for variant in (v for v in TRITON_VARIANTS if v not in NOBIAS):
             t = get(variant)
             if t is None:
                 continue
