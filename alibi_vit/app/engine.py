@@ -45,13 +45,25 @@ from .pyramid import Pyramid, level_shapes, tile_region
 from .scheduler import Cancelled, Scheduler
 from .session import Session, SessionError, png_bytes, remember, write_atomic
 
-__all__ = ["BACKGROUND", "Engine", "Job", "NOW", "PeekCache", "REGION_BUDGET", "SHOWN"]
+__all__ = ["APP_TILE", "BACKGROUND", "Engine", "Job", "NOW", "PeekCache", "REGION_BUDGET", "SHOWN"]
 
 SAVE_KINDS = ("labels", "model", "masks", "overlays", "fractions")
 KEEP_PREDICTIONS = 4  # images whose predictions (and scaled pixels, display levels) are kept
 NOW, SHOWN, BACKGROUND = 0, 1, 2  # task priorities (lower runs first)
 REGION_BUDGET = 4 << 20  # px of the region on screen predicted before Train or a new view is answered
 PASS_SCRATCH_BYTES = 256 << 20  # features a whole-image pass keeps for itself (neighbouring tiles' ViT windows)
+# The featurisation tile of the models the app trains (37 patches; the library's default is 1036): a Train
+# featurises the whole tiles that hold labels and a view's prediction the tiles it overlaps, so smaller tiles
+# compute less beyond what is labelled and on screen (on a 4096² image, labels and view across a tile corner:
+# four 650² tile-plus-halo crops instead of four 1168² ones). Features do not depend on the tile size.
+APP_TILE = 518
+
+
+def _import_classifier() -> None:
+    try:
+        import xgboost  # noqa: F401
+    except Exception:  # noqa: BLE001 - a Train then imports it and reports what goes wrong
+        pass
 
 
 def _rgb(colour: str) -> tuple[int, int, int]:
@@ -131,6 +143,9 @@ class Engine:
         self.notes: list[str] = []  # shown in the page: what the engine could not do at start
         self._closed = False
         shutil.rmtree(session.folder / "cache" / "predictions", ignore_errors=True)  # of models gone
+        # The classifier library takes seconds to import (XGBoost pulls in scikit-learn and SciPy): while
+        # the user draws, not after the first click on Train.
+        threading.Thread(target=_import_classifier, name="import-classifier", daemon=True).start()
         self._restore_model()
 
     def close(self) -> None:
@@ -182,7 +197,7 @@ class Engine:
             backbone = key[0]
             kwargs = self.backbone_kwargs if backbone else {}
             self._trainer = TrainableSegmenter(backbone, intensity_range=key[1], colour=key[2], cache=self.cache,
-                                               device=self.device, **kwargs)
+                                               device=self.device, tile=APP_TILE, **kwargs)
             self._trainer_key = key
         self._trainer.crf = self._crf()
         return self._trainer
