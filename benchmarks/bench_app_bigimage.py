@@ -90,8 +90,11 @@ def zoom_to_pixels(page, centre) -> list[int]:
     return page.evaluate("() => window.app.region")
 
 
-def scribble(page, truth, region, values: dict[int, int]) -> None:
-    """Two strokes per class inside its phase, within the region on screen (image px)."""
+BRUSH = 4  # px: the page's default brush radius
+
+
+def strokes_in_view(truth, region, phase: int) -> list[list[tuple[int, int]]]:
+    """Two strokes (image px (x, y) points) inside ``phase``, within ``region`` [top, left, bottom, right]."""
     top, left, bottom, right = region
     margin = 40
     crop_top, crop_left = top + margin, left + margin
@@ -99,10 +102,16 @@ def scribble(page, truth, region, values: dict[int, int]) -> None:
     rows = (crop_top + np.arange(bottom - top - 2 * margin)) % BASE
     cols = (crop_left + np.arange(right - left - 2 * margin)) % BASE
     crop = truth[np.ix_(rows, cols)]
+    return [[(int(x) + crop_left, int(y) + crop_top) for x, y in stroke]
+            for stroke in strokes_inside(crop, phase, 2, BRUSH, narrow_ok=True)]
+
+
+def scribble(page, truth, region, values: dict[int, int]) -> None:
+    """Two strokes per class inside its phase, within the region on screen (image px), drawn with the mouse."""
     for value, phase in values.items():
         page.keyboard.press(str(value))
-        for stroke in strokes_inside(crop, phase, 2, 4, narrow_ok=True):
-            draw(page, [(x + crop_left, y + crop_top) for x, y in stroke], wait_sent=True)
+        for stroke in strokes_in_view(truth, region, phase):
+            draw(page, stroke, wait_sent=True)
 
 
 def add_classes(page) -> dict[int, int]:

@@ -18,7 +18,7 @@ from PIL import Image
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-import alibi_vit.app.engine as engine_module  # noqa: E402
+from alibi_vit.app.engine import APP_TILE, Engine  # noqa: E402
 from alibi_vit.app.predictions import PredictionStore, blocks_per_tile  # noqa: E402
 from alibi_vit.app.server import create_app  # noqa: E402
 from alibi_vit.app.session import Session  # noqa: E402
@@ -47,9 +47,9 @@ def folder(tmp_path, micrograph):
 def start(tmp_path):
     engines = []
 
-    def start(folder):
+    def start(folder, **engine_kwargs):
         session = Session(tmp_path / "session", [folder], allowed_roots=[folder])
-        engines.append(engine_module.Engine(session))
+        engines.append(Engine(session, **engine_kwargs))
         return session, engines[-1], TestClient(create_app(session, engines[-1]))
 
     yield start
@@ -112,7 +112,7 @@ def test_app_models_use_small_tiles_and_give_the_whole_image_and_segment_apply_m
     # The same fit outside the app (same tile, intensity range, labels) predicts that mask, tile by
     # tile and with the whole image as one tile.
     ref = TrainableSegmenter(intensity_range=session.fix_intensity(), colour=session.colour,
-                             tile=engine_module.APP_TILE)
+                             tile=APP_TILE)
     ref.fit([image], [np.asarray(session.label_image("m"))])
     assert len(ref.tile_grid(ref.source(image))) == 4
     np.testing.assert_array_equal(ref.predict([image])[0], mask)
@@ -123,24 +123,22 @@ def test_app_models_use_small_tiles_and_give_the_whole_image_and_segment_apply_m
         time.sleep(0.05)
     assert state["state"] == "done", state
     model = tmp_path / "session" / "export" / "model"
-    assert json.loads((model / "config.json").read_text())["tile"] == engine_module.APP_TILE == 518
+    assert json.loads((model / "config.json").read_text())["tile"] == APP_TILE == 518
     assert main(["segment", "apply", "--model", str(model), "--images", str(folder), "--out", str(tmp_path / "out"),
                  "--no-overlay"]) == 0
     np.testing.assert_array_equal(png((tmp_path / "out" / "m_mask.png").read_bytes()), mask)
 
 
-def test_a_model_trained_with_other_tiles_is_restored_with_them(folder, micrograph, start, monkeypatch):
+def test_a_model_trained_with_other_tiles_is_restored_with_them(folder, micrograph, start):
     """A model an earlier version saved with the library's 1036-px tiles keeps them when restored and
     predicts as before; the next Train makes a model of the app's tiles."""
     image, truth = micrograph
-    monkeypatch.setattr(engine_module, "APP_TILE", 1036)
-    session, engine, client = start(folder)
+    session, engine, client = start(folder, tile=1036)
     draw_in_every_tile(client, truth)
     assert client.post("/api/train", json={"image": "m"}).status_code == 200
     before = png(client.get("/api/images/m/mask.png").content)
     engine.close()
 
-    monkeypatch.setattr(engine_module, "APP_TILE", 518)
     session2, engine2, client2 = start(folder)
     assert engine2._model_seg.tile == 1036
     np.testing.assert_array_equal(png(client2.get("/api/images/m/mask.png").content), before)
@@ -148,7 +146,7 @@ def test_a_model_trained_with_other_tiles_is_restored_with_them(folder, microgra
     ref.fit([image], [np.asarray(session2.label_image("m"))])
     np.testing.assert_array_equal(whole_image_mask(ref, image), before)
     assert client2.post("/api/train", json={"image": "m"}).status_code == 200
-    assert engine2._model_seg.tile == 518
+    assert engine2._model_seg.tile == APP_TILE
 
 
 def test_the_classifier_library_is_imported_when_the_app_starts(tmp_path, folder):
