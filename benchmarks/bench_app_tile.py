@@ -71,7 +71,7 @@ def one_run(data: Path, session_dir: Path, tile: int, truth, names, regions, big
     from alibi_vit.app.session import Session
 
     session = Session(session_dir, [data], allowed_roots=[data])
-    engine = Engine(session, tile=tile)
+    engine = Engine(session, feature_tile=tile)
     out = {"tile": tile}
     try:
         client = TestClient(create_app(session, engine))

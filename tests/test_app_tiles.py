@@ -133,7 +133,7 @@ def test_a_model_trained_with_other_tiles_is_restored_with_them(folder, microgra
     """A model an earlier version saved with the library's 1036-px tiles keeps them when restored and
     predicts as before; the next Train makes a model of the app's tiles."""
     image, truth = micrograph
-    session, engine, client = start(folder, tile=1036)
+    session, engine, client = start(folder, feature_tile=1036)
     draw_in_every_tile(client, truth)
     assert client.post("/api/train", json={"image": "m"}).status_code == 200
     before = png(client.get("/api/images/m/mask.png").content)

@@ -110,19 +110,19 @@ class Engine:
 
     backbone: the ViT the page may add to the classical features (None: classical only), with
     ``backbone_kwargs`` for :class:`~alibi_vit.trainable.TrainableSegmenter` (checkpoint, pretrained,
-    model_kwargs, seed). cache_bytes: the feature cache's budget. out: where Save writes. tile: the
-    featurisation tile of the models Train makes (``APP_TILE``; stored with each model, so a model
+    model_kwargs, seed). cache_bytes: the feature cache's budget. out: where Save writes. feature_tile:
+    the featurisation tile of the models Train makes (``APP_TILE``; stored with each model, so a model
     restored or saved keeps its own).
     """
 
     def __init__(self, session: Session, backbone: str | None = None, backbone_kwargs: dict | None = None,
                  cache_bytes: int = int(1.5 * 2**30), out: Path | None = None, device: str | None = None,
-                 tile: int = APP_TILE):
+                 feature_tile: int = APP_TILE):
         from ..trainable.cache import FeatureCache
 
         self.session, self.backbone, self.backbone_kwargs = session, backbone, dict(backbone_kwargs or {})
         self.out = Path(out) if out else session.folder / "export"
-        self.device, self.tile = device, tile
+        self.device, self.feature_tile = device, feature_tile
         self.cache = FeatureCache(cache_bytes)
         self.scheduler = Scheduler()
         self.features: dict[str, dict] = {}  # id → {"state", "progress", "error", "note"}
@@ -200,7 +200,7 @@ class Engine:
             backbone = key[0]
             kwargs = self.backbone_kwargs if backbone else {}
             self._trainer = TrainableSegmenter(backbone, intensity_range=key[1], colour=key[2], cache=self.cache,
-                                               device=self.device, tile=self.tile, **kwargs)
+                                               device=self.device, tile=self.feature_tile, **kwargs)
             self._trainer_key = key
         self._trainer.crf = self._crf()
         return self._trainer
