@@ -437,7 +437,8 @@ class Engine:
         seg = self.segmenter()
         key = self._trainer_key
         start = time.perf_counter()
-        seg.fit([session.read(i) for i in ids], [self._labels_for_training(i, labels[i]) for i in ids])
+        # The images as the engine keeps them scaled (and hashed, for the cache's keys) for its predictions.
+        seg.fit([self._source(i, seg) for i in ids], [self._labels_for_training(i, labels[i]) for i in ids])
         for i in ids:
             if not session.entry(i).chunked:
                 self.features[i] = {"state": "ready", "progress": 1.0, "error": None, "note": None}
