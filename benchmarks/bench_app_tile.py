@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_app import cpu_name, run_and_report  # noqa: E402
+from bench_app import cpu_name, machine_name, run_and_report  # noqa: E402
 from bench_app_bigimage import BRUSH, CLASSES, make_images, strokes_in_view  # noqa: E402
 from report import command_line, environment, write_report  # noqa: E402
 
@@ -135,13 +135,12 @@ def run(args) -> dict:
 
 
 def report(result: dict, args) -> tuple[Path, Path]:
-    machine = f"2-core CPU, no GPU ({cpu_name()}, {os.cpu_count()} CPUs)" if (os.cpu_count() or 0) <= 2 else \
-        f"{os.cpu_count()}-core CPU ({cpu_name()})"
+    machine = machine_name()
     command = command_line("bench_app_tile.py", args.argv)
     env = environment()
     load = result["load_average"]
     s, b = result["train_size"], result["big_size"]
-    median = lambda values: statistics.median(values)  # noqa: E731
+    median = statistics.median
     rows = {}
     for tile in args.tiles:
         mine = [r for r in result["runs"] if r["tile"] == tile]
@@ -152,7 +151,10 @@ def report(result: dict, args) -> tuple[Path, Path]:
                       "fill_mp_per_s": median([r["fill_mp_per_s"] for r in mine])}
     payload = {"meta": {"command": command, "machine": machine, "cpu": cpu_name(), "cpu_count": os.cpu_count(), **env},
                "medians": rows, "result": result}
-    each = lambda tile, key, sub: ", ".join(f"{r[key][sub]:.2f}" for r in result["runs"] if r["tile"] == tile)  # noqa: E731
+
+    def each(tile, key, sub) -> str:
+        return ", ".join(f"{r[key][sub]:.2f}" for r in result["runs"] if r["tile"] == tile)
+
     lines = [f"# The app's featurisation tile size: {machine}", "", f"Command: `{command}`", "",
              f"The app's engine in one process through its HTTP API (no browser), classical features, the default "
              f"feature cache; the images and views of `bench_app_bigimage.py` ({s}² 16-bit TIFF, view "
@@ -161,8 +163,8 @@ def report(result: dict, args) -> tuple[Path, Path]:
              f"{env['torch']}; {env['date']}. Load average {load['before']:.1f} before and {load['after']:.1f} after "
              f"the run on the machine's {os.cpu_count()} cores (it shows in these wall times: compare the rows, "
              "measured side by side).", "",
-             f"| tile (px) | Train {s}² → answer (s) | its fit (s) | then Train {b}² → answer (s) | its fit (s) | "
-             f"fill of {b}² (MP/s, {args.fill_s:g} s) |", "|---:|---:|---:|---:|---:|---:|"]
+             f"| tile (px) | Train {s}² → answer (s) | its fit (s) | then Train {b}² → answer (s) | "
+             f"its fit (s) | fill of {b}² (MP/s, {args.fill_s:g} s) |", "|---:|---:|---:|---:|---:|---:|"]
     for tile, r in rows.items():
         lines.append(f"| {tile} | {r['train_answer_s']:.2f} ({each(tile, 'train', 'answer_s')}) | "
                      f"{r['train_model_s']:.2f} | {r['big_answer_s']:.2f} ({each(tile, 'big', 'answer_s')}) | "

@@ -452,8 +452,8 @@ class Engine:
         result = {"model": self.model_state()}
         if image_id is not None:
             budget = REGION_BUDGET if region is not None else None
-            store = self._predict_blocks(image_id, region, budget=budget,
-                                         keep_features=region is not None or self._fits_cache(image_id))
+            self._predict_blocks(image_id, region, budget=budget,
+                                 keep_features=region is not None or self._fits_cache(image_id))
             self._start_fill(image_id)
             result["prediction"] = self.prediction_record(image_id)
         return result
