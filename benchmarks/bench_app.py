@@ -74,6 +74,13 @@ def cpu_name() -> str:
     return name or platform.machine()
 
 
+def machine_name() -> str:
+    """The machine as the app benchmarks' reports name it."""
+    if (os.cpu_count() or 0) <= 2:
+        return f"2-core CPU, no GPU ({cpu_name()}, {os.cpu_count()} CPUs)"
+    return f"{os.cpu_count()}-core CPU ({cpu_name()})"
+
+
 def stroke_plan(mask, strokes_per_phase: int, radius: int):
     """For each phase, strokes (lists of image points) well inside its grains."""
     return {phase: strokes_inside(mask, phase, strokes_per_phase, radius, longest=40, narrow_ok=True)
@@ -235,8 +242,7 @@ def run(args) -> dict:
 
 
 def report(result: dict, args) -> tuple[Path, Path]:
-    machine = f"2-core CPU, no GPU ({cpu_name()}, {os.cpu_count()} CPUs)" if (os.cpu_count() or 0) <= 2 else \
-        f"{os.cpu_count()}-core CPU ({cpu_name()})"
+    machine = machine_name()
     command = command_line("bench_app.py", args.argv)
     env = environment()
     try:

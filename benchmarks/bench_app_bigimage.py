@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from app_driver import (Server, draw, launch_chromium, strokes_inside, to_screen, wait_idle,  # noqa: E402
                         wait_timing)
-from bench_app import cpu_name, peak_rss_gb, run_and_report  # noqa: E402
+from bench_app import cpu_name, machine_name, peak_rss_gb, run_and_report  # noqa: E402
 from report import command_line, environment, write_report  # noqa: E402
 
 TARGETS = {"train_to_overlay_s": 3.0, "open_big_s": 3.0, "server_peak_rss_gb": 2.5}
@@ -90,8 +90,11 @@ def zoom_to_pixels(page, centre) -> list[int]:
     return page.evaluate("() => window.app.region")
 
 
-def scribble(page, truth, region, values: dict[int, int]) -> None:
-    """Two strokes per class inside its phase, within the region on screen (image px)."""
+BRUSH = 4  # px: the page's default brush radius
+
+
+def strokes_in_view(truth, region, phase: int) -> list[list[tuple[int, int]]]:
+    """Two strokes (image px (x, y) points) inside ``phase``, within ``region`` [top, left, bottom, right]."""
     top, left, bottom, right = region
     margin = 40
     crop_top, crop_left = top + margin, left + margin
@@ -99,10 +102,16 @@ def scribble(page, truth, region, values: dict[int, int]) -> None:
     rows = (crop_top + np.arange(bottom - top - 2 * margin)) % BASE
     cols = (crop_left + np.arange(right - left - 2 * margin)) % BASE
     crop = truth[np.ix_(rows, cols)]
+    return [[(int(x) + crop_left, int(y) + crop_top) for x, y in stroke]
+            for stroke in strokes_inside(crop, phase, 2, BRUSH, narrow_ok=True)]
+
+
+def scribble(page, truth, region, values: dict[int, int]) -> None:
+    """Two strokes per class inside its phase, within the region on screen (image px), drawn with the mouse."""
     for value, phase in values.items():
         page.keyboard.press(str(value))
-        for stroke in strokes_inside(crop, phase, 2, 4, narrow_ok=True):
-            draw(page, [(x + crop_left, y + crop_top) for x, y in stroke], wait_sent=True)
+        for stroke in strokes_in_view(truth, region, phase):
+            draw(page, stroke, wait_sent=True)
 
 
 def add_classes(page) -> dict[int, int]:
@@ -180,8 +189,7 @@ def run(args) -> dict:
 
 
 def report(result: dict, args) -> tuple[Path, Path]:
-    machine = f"2-core CPU, no GPU ({cpu_name()}, {os.cpu_count()} CPUs)" if (os.cpu_count() or 0) <= 2 else \
-        f"{os.cpu_count()}-core CPU ({cpu_name()})"
+    machine = machine_name()
     command = command_line("bench_app_bigimage.py", args.argv)
     env = environment()
     measured = {"train_to_overlay_s": result["train"]["ms"] / 1000, "open_big_s": result["open_big"]["ms"] / 1000,

@@ -483,7 +483,7 @@ def test_two_tabs_undo_only_what_each_shows(micrograph, servers, new_page, tmp_p
 
 
 def test_train_waits_only_for_its_own_images(micrograph, servers, new_page, tmp_path):
-    """Open a 2048² image (its features start: four 1036² tiles), go back to the small labelled
+    """Open a 2048² image (its features start: sixteen 518² tiles), go back to the small labelled
     image and Train: the model and its prediction come while the large image's features are still
     being computed, not after them."""
     import tifffile

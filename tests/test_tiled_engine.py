@@ -235,3 +235,29 @@ def test_a_failed_chunk_write_leaves_the_chunk_written_before(tmp_path, monkeypa
     monkeypatch.undo()
     np.testing.assert_array_equal(open_image(tmp_path / "m.ome.zarr").read(slice(0, 4), slice(0, 4)), first)
     assert not list((tmp_path / "m.ome.zarr").rglob("*.partial"))  # no temporary file left behind
+
+
+def test_fit_on_the_segmenters_own_sources_equals_fit_on_the_images(big):
+    """The app scales each image once and passes the source to every fit: the same model as from the
+    images themselves (stored dtype kept); sources are refused where their scaling is not known."""
+    folder, image, labels, seg, _, _ = big
+    chunked = open_image(folder / "img.ome.zarr")
+    ref = TrainableSegmenter(**FAST, tile=TILE, intensity_range=seg.intensity_range).fit([image, chunked],
+                                                                                         [labels, labels])
+    own = TrainableSegmenter(**FAST, tile=TILE, intensity_range=seg.intensity_range)
+    sources = [own.source(image), own.source(chunked)]
+    own.fit(sources, [labels, labels])
+    assert own.intensity_dtype == ref.intensity_dtype == "uint16" and own.channels_ == ref.channels_ == 1
+    probe = image[:300, :300]
+    np.testing.assert_array_equal(own.predict_proba([probe])[0], ref.predict_proba([probe])[0])
+
+    with pytest.raises(ValueError, match="fixed intensity_range"):
+        TrainableSegmenter(**FAST).fit(sources, [labels, labels])
+    lo, hi = seg.intensity_range
+    other = TrainableSegmenter(**FAST, intensity_range=(lo, hi + 1))
+    with pytest.raises(ValueError, match="not this segmenter's intensity range"):
+        other.fit([sources[1]], [labels])
+    from alibi_vit.trainable.sources import ArraySource
+
+    with pytest.raises(ValueError, match="made by source"):
+        own.fit([ArraySource(sources[0].pixels)], [labels])

@@ -45,13 +45,25 @@ from .pyramid import Pyramid, level_shapes, tile_region
 from .scheduler import Cancelled, Scheduler
 from .session import Session, SessionError, png_bytes, remember, write_atomic
 
-__all__ = ["BACKGROUND", "Engine", "Job", "NOW", "PeekCache", "REGION_BUDGET", "SHOWN"]
+__all__ = ["APP_TILE", "BACKGROUND", "Engine", "Job", "NOW", "PeekCache", "REGION_BUDGET", "SHOWN"]
 
 SAVE_KINDS = ("labels", "model", "masks", "overlays", "fractions")
 KEEP_PREDICTIONS = 4  # images whose predictions (and scaled pixels, display levels) are kept
 NOW, SHOWN, BACKGROUND = 0, 1, 2  # task priorities (lower runs first)
 REGION_BUDGET = 4 << 20  # px of the region on screen predicted before Train or a new view is answered
 PASS_SCRATCH_BYTES = 256 << 20  # features a whole-image pass keeps for itself (neighbouring tiles' ViT windows)
+# The featurisation tile of the models the app trains (37 patches; the library's default is 1036): a Train
+# featurises the whole tiles that hold labels and a view's prediction the tiles it overlaps, so smaller tiles
+# compute less beyond what is labelled and on screen (on a 4096² image, labels and view across a tile corner:
+# four 650² tile-plus-halo crops instead of four 1168² ones). Features do not depend on the tile size.
+APP_TILE = 518
+
+
+def _import_classifier() -> None:
+    try:
+        import xgboost  # noqa: F401
+    except Exception:  # noqa: BLE001 - a Train then imports it and reports what goes wrong
+        pass
 
 
 def _rgb(colour: str) -> tuple[int, int, int]:
@@ -98,16 +110,19 @@ class Engine:
 
     backbone: the ViT the page may add to the classical features (None: classical only), with
     ``backbone_kwargs`` for :class:`~alibi_vit.trainable.TrainableSegmenter` (checkpoint, pretrained,
-    model_kwargs, seed). cache_bytes: the feature cache's budget. out: where Save writes.
+    model_kwargs, seed). cache_bytes: the feature cache's budget. out: where Save writes. feature_tile:
+    the featurisation tile of the models Train makes (``APP_TILE``; stored with each model, so a model
+    restored or saved keeps its own).
     """
 
     def __init__(self, session: Session, backbone: str | None = None, backbone_kwargs: dict | None = None,
-                 cache_bytes: int = int(1.5 * 2**30), out: Path | None = None, device: str | None = None):
+                 cache_bytes: int = int(1.5 * 2**30), out: Path | None = None, device: str | None = None,
+                 feature_tile: int = APP_TILE):
         from ..trainable.cache import FeatureCache
 
         self.session, self.backbone, self.backbone_kwargs = session, backbone, dict(backbone_kwargs or {})
         self.out = Path(out) if out else session.folder / "export"
-        self.device = device
+        self.device, self.feature_tile = device, feature_tile
         self.cache = FeatureCache(cache_bytes)
         self.scheduler = Scheduler()
         self.features: dict[str, dict] = {}  # id → {"state", "progress", "error", "note"}
@@ -131,6 +146,9 @@ class Engine:
         self.notes: list[str] = []  # shown in the page: what the engine could not do at start
         self._closed = False
         shutil.rmtree(session.folder / "cache" / "predictions", ignore_errors=True)  # of models gone
+        # The classifier library takes seconds to import (XGBoost pulls in scikit-learn and SciPy): while
+        # the user draws, not after the first click on Train.
+        threading.Thread(target=_import_classifier, name="import-classifier", daemon=True).start()
         self._restore_model()
 
     def close(self) -> None:
@@ -182,7 +200,7 @@ class Engine:
             backbone = key[0]
             kwargs = self.backbone_kwargs if backbone else {}
             self._trainer = TrainableSegmenter(backbone, intensity_range=key[1], colour=key[2], cache=self.cache,
-                                               device=self.device, **kwargs)
+                                               device=self.device, tile=self.feature_tile, **kwargs)
             self._trainer_key = key
         self._trainer.crf = self._crf()
         return self._trainer
@@ -419,7 +437,8 @@ class Engine:
         seg = self.segmenter()
         key = self._trainer_key
         start = time.perf_counter()
-        seg.fit([session.read(i) for i in ids], [self._labels_for_training(i, labels[i]) for i in ids])
+        # The images as the engine keeps them scaled (and hashed, for the cache's keys) for its predictions.
+        seg.fit([self._source(i, seg) for i in ids], [self._labels_for_training(i, labels[i]) for i in ids])
         for i in ids:
             if not session.entry(i).chunked:
                 self.features[i] = {"state": "ready", "progress": 1.0, "error": None, "note": None}
@@ -433,8 +452,8 @@ class Engine:
         result = {"model": self.model_state()}
         if image_id is not None:
             budget = REGION_BUDGET if region is not None else None
-            store = self._predict_blocks(image_id, region, budget=budget,
-                                         keep_features=region is not None or self._fits_cache(image_id))
+            self._predict_blocks(image_id, region, budget=budget,
+                                 keep_features=region is not None or self._fits_cache(image_id))
             self._start_fill(image_id)
             result["prediction"] = self.prediction_record(image_id)
         return result

@@ -1,9 +1,10 @@
 """One model's prediction of one image, block by block, at every display level: what the overlay
 shows while it fills in.
 
-The app predicts an image in *blocks*: each featurisation tile of the segmenter cut into 4 × 4 (or
-2 × 2) blocks, so the blocks on screen are classified first without classifying the rest of their
-tiles (a tile's features are computed once, through the feature cache, for all its blocks). A
+The app predicts an image in *blocks*: each featurisation tile of the segmenter cut into n × n
+blocks of at least 60 px, as small as its size allows (:func:`blocks_per_tile`), so the blocks on
+screen are classified first without classifying the rest of their tiles (a tile's features are
+computed once, through the feature cache, for all its blocks). A
 :class:`PredictionStore` keeps, per display level (:mod:`~alibi_vit.app.pyramid`), the class mask
 (0 where nothing is predicted yet) and the uncertainty (1 − max probability, 255 = 1 − 1/K, the
 most uncertain K classes allow), plus which blocks are done and their pixel count per class.
@@ -25,13 +26,17 @@ import numpy as np
 from ..trainable.tiles import TileGrid
 from .pyramid import TILE, level_shapes
 
-__all__ = ["PredictionStore", "blocks_per_tile"]
+__all__ = ["MIN_BLOCK", "PredictionStore", "blocks_per_tile"]
+
+
+MIN_BLOCK = 60  # px: smaller blocks would classify less beyond the view, at more bookkeeping per block
 
 
 def blocks_per_tile(tile: int) -> int:
-    """Blocks per side of a featurisation tile: 4 when its size divides by 4, else 2 (tiles are
-    multiples of the 14-px patch, so even)."""
-    return 4 if tile % 4 == 0 else 2 if tile % 2 == 0 else 1
+    """Blocks per side of a featurisation tile: the most that divide it into blocks of at least
+    ``MIN_BLOCK`` px (a 518-px tile: 7 blocks of 74 px; 1036: 14 of 74; 252: 4 of 63), 1 for a
+    smaller tile."""
+    return max(n for n in range(1, tile // MIN_BLOCK + 1) if tile % n == 0) if tile >= MIN_BLOCK else 1
 
 
 class PredictionStore:

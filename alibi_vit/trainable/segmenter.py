@@ -120,7 +120,16 @@ def modal_filter(mask: np.ndarray, size: int) -> np.ndarray:
 
 
 def _is_colour(image) -> bool:
+    if isinstance(image, ArraySource):
+        return image.pixels.ndim == 3
+    if isinstance(image, ChunkedSource):
+        return image.colour
     return image.channels > 1 if isinstance(image, ChunkedImage) else np.ndim(image) == 3
+
+
+def _stored_dtype(image) -> np.dtype:
+    """The stored pixels' type of an image, a chunked image or a source."""
+    return image.image.dtype if isinstance(image, ChunkedSource) else np.dtype(image.dtype)
 
 
 def _as_list(items, what: str, dims: int = 2) -> list:
@@ -353,7 +362,7 @@ class TrainableSegmenter:
         if isinstance(image, (ArraySource, ChunkedSource)):
             return image
         if not isinstance(image, ChunkedImage):
-            return ArraySource(self.scale(image, name), name)
+            return ArraySource(self.scale(image, name), name, dtype=getattr(image, "dtype", None))
         self.check_channels(image, name)
         keep = self.colour == "channels" and image.channels > 1
         if self.intensity == "training":
@@ -369,6 +378,8 @@ class TrainableSegmenter:
             for i, im in enumerate(images):
                 if isinstance(im, ChunkedImage):
                     self.check_channels(im, im.name)
+                elif isinstance(im, (ArraySource, ChunkedSource)):
+                    self._check_own_source(im)
                 else:
                     images[i] = as_grayscale(im, f"{source} {i}")
             self.channels_ = None
@@ -380,12 +391,24 @@ class TrainableSegmenter:
                 self.channels_ = 3 if kinds == {True} else 1
             else:
                 self.channels_ = 1
-            dtypes = {np.dtype(im.dtype).name for im in images}
+            dtypes = {_stored_dtype(im).name for im in images}
             self.intensity_dtype = dtypes.pop() if len(dtypes) == 1 and self.intensity == "training" else None
             if self.intensity == "training" and self.fixed_intensity_range is None:
                 self.intensity_range, self.intensity_note = self._fit_range(images)
         return [self.source(im, im.name if isinstance(im, ChunkedImage) else f"{source} {i}")
                 for i, im in enumerate(images)]
+
+    def _check_own_source(self, src) -> None:
+        """fit() takes a source only as :meth:`source` makes it with a fixed ``intensity_range`` (the
+        scaling it was made with is then this segmenter's; its stored dtype is known)."""
+        if self.intensity == "training" and self.fixed_intensity_range is None:
+            raise ValueError("fit() takes sources (already scaled images) only with a fixed intensity_range; "
+                             "give the images themselves")
+        if isinstance(src, ArraySource) and src.dtype is None:
+            raise ValueError(f"{src.name}: a source made by source() is needed (its stored pixels' dtype is not known)")
+        if isinstance(src, ChunkedSource) and self.intensity == "training" and (src.lo, src.hi) != self.intensity_range:
+            raise ValueError(f"{src.name} was scaled to ({src.lo}, {src.hi}), not this segmenter's intensity range "
+                             f"{self.intensity_range}")
 
     def _fit_range(self, images):
         """The training range: pooled percentiles of the images' grey values; a chunked image gives a
@@ -549,7 +572,9 @@ class TrainableSegmenter:
         """Train on the labelled pixels of ``images``; only the tiles that hold labels are read and featurised.
 
         images: a list of images (arrays, or :class:`~alibi_vit.chunked.ChunkedImage` for images too
-            large for memory), or one (H, W) or (H, W, 3) array; a 3D stack is an error.
+            large for memory), or one (H, W) or (H, W, 3) array; a 3D stack is an error. With a fixed
+            ``intensity_range``, also sources made by :meth:`source` (an image scaled once and its
+            digest computed once for many fits, as the app retrains after each stroke).
         labels: one label image per image (an array or a chunked image), same size, 0 = unlabelled,
             1..K = classes. The classes are the label values found in all label images together (a
             class may appear in one image only); at least two are needed. Images without any labelled

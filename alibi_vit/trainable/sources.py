@@ -27,10 +27,11 @@ __all__ = ["ArraySource", "ChunkedSource", "chunked_range", "label_region", "lab
 
 class ArraySource:
     """An image already scaled to [0, 1] and held whole: ``pixels`` (H, W) or (H, W, 3) float32, or
-    a volume's (Z, Y, X) with ``spacing``."""
+    a volume's (Z, Y, X) with ``spacing``. dtype: the stored pixels' type before scaling (None: not known)."""
 
-    def __init__(self, pixels: np.ndarray, name: str = "image", spacing=None):
+    def __init__(self, pixels: np.ndarray, name: str = "image", spacing=None, dtype=None):
         self.pixels, self.name, self.spacing = pixels, name, spacing
+        self.dtype = None if dtype is None else np.dtype(dtype)
         self.shape = pixels.shape[:2] if spacing is None else pixels.shape
         self._key = None
 
