@@ -274,8 +274,9 @@ def report(folder: Path, stem: str = "volumes_cpu") -> None:
             lines.append(f"| {r['size']}³ | {cmd} | {c['peak_rss_gb']:.2f} | {c['wall_seconds']} | "
                          f"{c['segment_seconds'] or '–'} | {c['cpu_seconds']} | {per[0]} | {per[1]} | "
                          f"{c['load_before'][0]} → {c['load_after'][0]} |")
-    notes = sorted({r["note"] for r in runs if r.get("note")})
-    lines += [""] + [f"- {n}" for n in notes] if notes else []
+    notes = sorted({r["note"] for r in runs if r.get("note")})  # e.g. rows kept from an earlier run
+    if notes:
+        lines += [""] + [f"- {n}" for n in notes]
     payload = {"machine": machine, "environment": environment(), "accuracy": accs, "speed": runs,
                "command": "python benchmarks/bench_volumes.py accuracy|speed|report --folder DIR"}
     for path in write_report(None, stem, payload, lines):
