@@ -20,7 +20,7 @@ quarter, half and three quarters of the depth): the same label voxels train both
 (Before a fix to ``scribbles``, the inclusions' strokes were dots of 1-5 voxels at the very centres
 of the grains, 30 voxels in all: the inclusions' cross-sections are at most 6 voxels deep, and only
 isolated pixels lay beyond the strokes' 5-voxel margin; the forest then called most inclusion
-voxels matrix, which gave the 7-19 pp fraction errors of earlier results.)
+voxels matrix, which gave the 5-19 pp fraction errors of earlier results.)
 3D: ``VolumeSegmenter`` (the 3D filter bank, defaults). 2D: ``TrainableSegmenter`` (the 2D default
 filter set) trained on the 3 labelled slices and applied to every slice, the behaviour of
 ``--features 2d``. Both use the default classifier. "3d dense": the 3D segmenter trained on the
