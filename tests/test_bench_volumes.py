@@ -20,6 +20,21 @@ def test_scores_are_mean_iou_and_volume_fraction_errors_in_points():
     assert s["miou"] == pytest.approx(np.mean([23 / 27, 12 / 16, 1.0]), abs=1e-4)
     assert s["fraction_error_pp"] == {"pore": 10.0, "matrix": 10.0, "inclusion": 0.0}  # 4 of 40 voxels moved
     assert s["max_fraction_error_pp"] == 10.0
+    # Confusion, rows the true phase: every pore right; 4 of the 16 matrix voxels called pore
+    np.testing.assert_allclose(s["confusion"], [[1, 0, 0], [0.25, 0.75, 0], [0, 0, 1]])
+    # The signed error split by a band: the 4 moved voxels (x = 3) lie in it
+    band = np.zeros(truth.shape, bool)
+    band[:, :, 2:4] = True
+    s = bench.scores(pred, truth, band)
+    assert s["signed_fraction_error_pp_boundary"] == {"pore": 10.0, "matrix": -10.0, "inclusion": 0.0}
+    assert s["signed_fraction_error_pp_interior"] == {"pore": 0.0, "matrix": 0.0, "inclusion": 0.0}
+
+
+def test_boundary_band_is_the_voxels_within_reach_of_another_phase():
+    truth = np.ones((1, 1, 8), np.uint8)
+    truth[..., 4:] = 2  # the phases meet between x = 3 and x = 4; the volume's edge is no boundary
+    np.testing.assert_array_equal(bench.near_boundary(truth, 2)[0, 0], [0, 0, 1, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(bench.near_boundary(truth, 1)[0, 0], [0, 0, 0, 1, 1, 0, 0, 0])
 
 
 def test_scribbles_lie_on_three_xy_slices_and_agree_with_the_truth():
