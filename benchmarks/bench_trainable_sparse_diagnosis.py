@@ -27,6 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import command_line  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 # The project's forest (classifier.DEFAULTS: 25 trees of depth 12 on 30% of the rows, 30% of the features
 # per split, 128 histogram bins), then one or two of its settings changed.
@@ -128,7 +131,7 @@ def main(argv=None) -> int:
     name = args.name or args.split or "_".join(args.images or ["all"])
     out = args.out_dir or RESULTS / ("smoke" if args.smoke else "") / f"trainable_sparse_diagnosis_{name}"
     header = [f"# Sparse strokes taken apart: feature sets × classifiers ({name})", "",
-              f"Command: `python benchmarks/bench_trainable_sparse_diagnosis.py {' '.join(argv)}`", "",
+              f"Command: `{command_line('bench_trainable_sparse_diagnosis.py', argv)}`", "",
               f"{len(items)} image(s), sparse protocol, seeds {' '.join(map(str, args.seeds))}. Machine: "
               f"{os.cpu_count()} CPU cores, load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; "
               f"{time.perf_counter() - t0:.0f} s in all (scores do not depend on the load). Each class's labelled "
