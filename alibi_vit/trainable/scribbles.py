@@ -48,6 +48,21 @@ def _stroke(allowed: np.ndarray, depth: np.ndarray, rng, length: int, width: int
     return out & allowed  # the brush's width never leaves the allowed area
 
 
+def _roomy(area: np.ndarray, width: int) -> np.ndarray:
+    """``area`` without its connected pieces smaller than the brush (width² px).
+
+    A stroke is clipped to the allowed area, so one that starts in a piece of a few pixels (the
+    cores of small round grains, which are just deeper than the margin) labels those pixels only:
+    a dot, not a line, and it samples the grain's very centre only."""
+    pieces, n = ndi.label(area)
+    if n == 0:
+        return area
+    sizes = np.bincount(pieces.ravel())
+    keep = sizes >= width * width
+    keep[0] = False
+    return keep[pieces]
+
+
 def scribbles(mask, per_class: int = 1, rng=None, *, length: int | None = None, width: int = 3,
               margin: int | None = None, min_pixels: int = 0, max_strokes: int = 30) -> np.ndarray:
     """(H, W) int64 labels: ``per_class`` strokes of each class present in ``mask``, 0 elsewhere.
@@ -58,9 +73,10 @@ def scribbles(mask, per_class: int = 1, rng=None, *, length: int | None = None, 
     length: steps of the random walk, default half the image's shorter side (at least 10).
     width: brush width in px (default 3).
     margin: minimum distance in px from a stroke pixel to the class region's border, default
-        ``width + 2``. Where a class has no pixel that far inside (cracks, small precipitates),
-        strokes keep to its pixels at least half its largest distance inside (down to the region
-        itself), so every present class gets its strokes, along thin regions.
+        ``width + 2``, within pieces of at least the brush's area (``width``² px). Where a class
+        has no such room (cracks, small precipitates, grains only just wider than twice the
+        margin), strokes keep to its pixels at least half its largest distance inside (down to the
+        region itself), so every present class gets strokes, not dots, along thin regions.
     min_pixels: after its ``per_class`` strokes, a class with fewer labelled pixels than this gets
         more strokes (at most ``max_strokes`` in all), as a person dots several small precipitates.
     Strokes start deep inside regions more often than near their borders (see ``_stroke``).
@@ -80,7 +96,9 @@ def scribbles(mask, per_class: int = 1, rng=None, *, length: int | None = None, 
             continue
         # Distance to the nearest pixel of another class (the image edge does not count as border).
         dist = ndi.distance_transform_edt(mask == cls)
-        allowed = dist > margin if dist.max() > margin else dist >= max(1.0, dist.max() / 2)
+        allowed = _roomy(dist > margin, width)
+        if not allowed.any():
+            allowed = dist >= max(1.0, dist.max() / 2)
         for n in range(max(per_class, max_strokes if min_pixels else 0)):
             if n >= per_class and (labels == cls).sum() >= min_pixels:
                 break
