@@ -34,6 +34,24 @@ def test_scribbles_reproducible_and_thin_regions_still_get_one():
     assert not (scribbles(np.zeros((10, 10), int), 1, rng=0) > 0).any()  # 0 = no class: never scribbled
 
 
+def test_small_round_grains_get_strokes_not_dots():
+    # Discs of radius 6: only a pixel or a few at each centre lie more than the margin (5 px) inside,
+    # too little for a 3 px brush; strokes then keep to the pixels at least half the largest depth inside.
+    yy, xx = np.mgrid[:96, :96]
+    mask = np.ones((96, 96), int)
+    for cy, cx in [(16, 16), (16, 60), (50, 30), (75, 75), (80, 20)]:
+        mask[(yy - cy) ** 2 + (xx - cx) ** 2 <= 36] = 2
+    depth = ndi.distance_transform_edt(mask == 2)
+    assert 0 < (depth > 5).sum() < 9 * 5  # the deep cores: under a brush's area per grain
+    for seed in range(3):
+        lab = scribbles(mask, 2, rng=seed)
+        np.testing.assert_array_equal(lab[lab > 0], mask[lab > 0])
+        assert (lab == 2).sum() >= 20  # two strokes over a grain's inner core (a dot labels 1-5 px)
+        assert depth[lab == 2].min() >= depth.max() / 2
+        matrix_depth = ndi.distance_transform_edt(mask == 1)
+        assert matrix_depth[lab == 1].min() > 5  # the roomy class keeps the full margin
+
+
 def test_synthetic_micrograph_is_16bit_with_exact_ground_truth():
     image, mask = synthetic_micrograph((64, 80), phases=4, seed=1)
     assert image.dtype == np.uint16 and image.shape == mask.shape == (64, 80)
