@@ -43,6 +43,9 @@ FORESTS = {
     "forest, 50 trees, 10% rows": {"n_estimators": 50, "subsample": 0.1},
     "forest, 50 trees, 15% rows": {"n_estimators": 50, "subsample": 0.15},
     "forest, 100 trees, 10% rows": {"n_estimators": 100, "subsample": 0.1},
+    # XGBoost's exact method: thresholds midway between the tree's own sorted values, no shared
+    # histogram bins; it samples features per level, not per split.
+    "forest, exact splits": {"tree_method": "exact", "colsample_bynode": 1.0, "colsample_bylevel": 0.3},
 }
 SKLEARN = "scikit-learn forest (scikit-image example)"
 
