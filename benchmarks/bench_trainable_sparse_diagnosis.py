@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_trainable_micrographs import write_results  # noqa: E402
 from report import command_line  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -123,7 +124,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from alibi_vit.trainable.datasets import load_micrographs
-    from alibi_vit.trainable.micrograph_benchmark import write_tables
 
     items = load_micrographs("all", split=args.split, names=args.images)
     if args.smoke:
@@ -133,17 +133,10 @@ def main(argv=None) -> int:
     rows = diagnose(items, systems, args.seeds)
     name = args.name or args.split or "_".join(args.images or ["all"])
     out = args.out_dir or RESULTS / ("smoke" if args.smoke else "") / f"trainable_sparse_diagnosis_{name}"
-    header = [f"# Sparse strokes taken apart: feature sets × classifiers ({name})", "",
-              f"Command: `{command_line('bench_trainable_sparse_diagnosis.py', argv)}`", "",
-              f"{len(items)} image(s), sparse protocol, seeds {' '.join(map(str, args.seeds))}. Machine: "
-              f"{os.cpu_count()} CPU cores, load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; "
-              f"{time.perf_counter() - t0:.0f} s in all (scores do not depend on the load). Each class's labelled "
-              "pixels, IoU and predicted area are in runs.csv.", ""]
-    paths = write_tables(out, rows, header)
-    print(paths[-1].read_text())
-    print("wrote " + ", ".join(str(p) for p in paths))
-    return 0
-
+    what = (f"{len(items)} image(s), sparse protocol, seeds {' '.join(map(str, args.seeds))}. Each class's labelled "
+            "pixels, IoU and predicted area are in runs.csv.")
+    return write_results(out, f"Sparse strokes taken apart: feature sets × classifiers ({name})",
+                         command_line("bench_trainable_sparse_diagnosis.py", argv), what, load, t0, rows)
 
 if __name__ == "__main__":
     sys.exit(main())
