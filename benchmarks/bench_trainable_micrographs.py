@@ -94,5 +94,6 @@ def write_results(out, title: str, command: str, what: str, load: float, t0: flo
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())
