@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from alibi_vit.trainable.datasets import load_micrographs
-    from alibi_vit.trainable.micrograph_benchmark import micrograph_benchmark, write_tables
+    from alibi_vit.trainable.micrograph_benchmark import micrograph_benchmark
 
     items = load_micrographs("all", split=args.part)
     if args.smoke:
@@ -74,11 +74,19 @@ def main(argv=None) -> int:
                                      dense_seeds=args.seeds[:1], progress=True)
     name = f"trainable_micrographs_{args.part}" + ("_" + "_".join(args.protocol) if args.protocol else "")
     out = args.out_dir or RESULTS / ("smoke" if args.smoke else "") / name
-    header = [f"# Trainable segmentation on the labelled micrographs: {args.part} split", "",
-              f"Command: `python benchmarks/bench_trainable_micrographs.py {' '.join(argv)}`", "",
-              f"{len(items)} image(s), protocols {', '.join(protocols)}; sparse seeds {' '.join(map(str, args.seeds))}, "
-              f"dense seed {args.seeds[0]}. Per image: label by the protocol, train on that image, segment it, score it. "
-              f"Machine: {os.cpu_count()} CPU cores, load average {load:.1f} at the start, "
+    what = (f"{len(items)} image(s), protocols {', '.join(protocols)}; sparse seeds {' '.join(map(str, args.seeds))}, "
+            f"dense seed {args.seeds[0]}. Per image: label by the protocol, train on that image, segment it, score it.")
+    return write_results(out, f"Trainable segmentation on the labelled micrographs: {args.part} split",
+                         f"python benchmarks/bench_trainable_micrographs.py {' '.join(argv)}", what, load, t0, rows)
+
+
+def write_results(out, title: str, command: str, what: str, load: float, t0: float, rows) -> int:
+    """runs.csv, summary.csv and summary.md in ``out``, summary.md headed by the title, the command, what
+    ran and the machine, load and time (since ``t0``, perf_counter); prints summary.md. Returns 0."""
+    from alibi_vit.trainable.micrograph_benchmark import write_tables
+
+    header = [f"# {title}", "", f"Command: `{command}`", "",
+              f"{what} Machine: {os.cpu_count()} CPU cores, load average {load:.1f} at the start, "
               f"{os.getloadavg()[0]:.1f} at the end; {time.perf_counter() - t0:.0f} s in all (scores do not depend "
               "on the load).", ""]
     paths = write_tables(out, rows, header)

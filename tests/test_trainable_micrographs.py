@@ -232,3 +232,22 @@ def test_cli_dataset_with_a_backbone_adds_its_configuration(tmp_path):
     assert {r["features"] for r in runs} == {f"compact/{i}/{b}" for i in ("training", "dtype")
                                              for b in ("classical", "alibi_vit_small_patch14_reg4_dinov2")}
     assert all(math.isfinite(float(r["miou"])) for r in runs)
+
+
+@pytest.mark.slow
+def test_sparse_diagnosis_smoke_crosses_features_and_classifiers(tmp_path):
+    """Every feature set meets every classifier on the same strokes; the per-class columns account for
+    every labelled pixel and every predicted pixel."""
+    diagnosis = benchmark_module("bench_trainable_sparse_diagnosis")
+    assert diagnosis.main(["--smoke", "--out-dir", str(tmp_path)]) == 0
+    with open(tmp_path / "runs.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["features"], r["classifier"]) for r in rows} == {
+        (f, c) for f in ("compact", "skimage") for c in ("forest (defaults)", diagnosis.SKLEARN)}
+    for r in rows:
+        k = sum(1 for key in r if key.startswith("labelled_") and key != "labelled_pixels" and r[key] != "")
+        assert sum(int(r[f"labelled_{c}"]) for c in range(1, k + 1)) == int(r["labelled_pixels"])
+        assert math.isclose(sum(float(r[f"area_{c}"]) for c in range(1, k + 1)), 1.0, abs_tol=1e-9)
+        assert math.isfinite(float(r["miou"]))
+    # The same seed gives every system the same strokes.
+    assert len({(r["image"], r["labelled_pixels"]) for r in rows}) == len({r["image"] for r in rows})
