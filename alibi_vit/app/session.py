@@ -233,6 +233,9 @@ class Session:
         self.allowed_roots = [Path(r).resolve() for r in [*allowed_roots, *given]] + [self.folder]
         if (self.folder / "session.json").is_file():
             self._load()
+        from .volume import Volumes  # imported here: the volume mode builds on this module
+
+        self.volumes = Volumes(self.folder)  # volumes open as one entry each, in the volume mode
         self.skipped = self._add_sources(sources)
         self._save()
 
@@ -388,6 +391,8 @@ class Session:
                                             "with: not added", status=403))
                 continue
             try:
+                if self.volumes.claim(real, taken=self.images):  # a volume: one entry of the volume mode
+                    continue
                 found.append((real, self._inspect(real)))
             except SessionError as err:
                 skipped.append(err)
@@ -452,6 +457,8 @@ class Session:
             except OSError as err:
                 raise not_saved(f"the upload {target.name}", folder, err) from None
         try:
+            if self.volumes.claim(target, taken=self.images):  # a volume: one entry of the volume mode
+                return []
             inspected = self._inspect(target)
             with self.lock:
                 ids, refused = self._admit([(target, inspected)])
