@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from alibi_vit.app.engine import Engine  # noqa: E402
 from alibi_vit.app.server import create_app  # noqa: E402
 from alibi_vit.app.session import Session  # noqa: E402
+from alibi_vit.app.volume import Volumes  # noqa: E402
 from alibi_vit.app.volume_labels import BLOCK, SparseVolumeLabels  # noqa: E402
 from alibi_vit.chunked import open_volume  # noqa: E402
 from alibi_vit.cli.main import main  # noqa: E402
@@ -34,15 +35,21 @@ def layered_volume(shape=(32, 24, 24), seed=0):
     return np.clip(volume, 0, 255).astype(np.uint8), truth
 
 
+def open_session(session_folder, folder):
+    """(session, volumes) as ``alibi-vit app FOLDER --session SESSION_FOLDER`` opens them."""
+    volumes = Volumes(session_folder)
+    return Session(session_folder, [folder], allowed_roots=[folder], volume_claim=volumes.claim), volumes
+
+
 @pytest.fixture
 def start(tmp_path):
     """start(folder) → (session, client) on tmp_path/session; the engines are closed afterwards."""
     engines = []
 
     def start(folder):
-        session = Session(tmp_path / "session", [folder], allowed_roots=[folder])
+        session, volumes = open_session(tmp_path / "session", folder)
         engines.append(Engine(session))
-        return session, TestClient(create_app(session, engines[-1]))
+        return session, TestClient(create_app(session, engines[-1], volumes=volumes))
 
     yield start
     for engine in engines:
@@ -76,8 +83,8 @@ def test_a_stack_a_zarr_and_a_2d_image_open_as_one_volume_entry_each(tmp_path, s
     assert [i["id"] for i in state["images"]] == ["flat"]
     assert sorted((v["id"], tuple(v["shape"])) for v in state["volumes"]) == [("cube", (6, 10, 12)),
                                                                              ("stack", (6, 10, 12))]
-    again = Session(tmp_path / "session", [folder], allowed_roots=[folder])  # a restart adds nothing twice
-    assert sorted(again.volumes.volumes) == ["cube", "stack"] and list(again.images) == ["flat"]
+    again, volumes = open_session(tmp_path / "session", folder)  # a restart adds nothing twice
+    assert sorted(volumes.volumes) == ["cube", "stack"] and list(again.images) == ["flat"]
 
 
 def test_slices_of_each_view_are_the_volume_s_planes(tmp_path, start):
@@ -149,8 +156,7 @@ def test_labels_are_stored_once_as_a_sparse_3d_store_and_undo_replays(tmp_path, 
     version = client.get("/api/state").json()["volumes"][0]["version"]
     assert client.post("/api/volumes/v/undo", json={"version": version}).status_code == 200
     assert not (session.folder / "volumes" / "v" / "labels.zarr" / "0" / "2" / "1").exists()
-    restarted = Session(session.folder, [], allowed_roots=[folder])
-    labels = restarted.volumes.label_volume("v")
+    labels = open_session(session.folder, folder)[1].label_volume("v")  # a restart replays the strokes
     assert set(labels.blocks) == {(0, 0, 0)} and int(labels.counts()[1]) == 3 * int((labels.plane(0, 2) > 0).sum())
 
 

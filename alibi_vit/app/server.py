@@ -32,6 +32,7 @@ from starlette.datastructures import MutableHeaders
 from .engine import NOW, Engine
 from .pyramid import TILE
 from .session import MAX_POINTS, Session, SessionError, not_saved
+from .volume import Volumes
 
 __all__ = ["MAX_JSON_BYTES", "STATIC", "TOKEN_COOKIE", "create_app"]
 
@@ -197,11 +198,14 @@ class Guard:
 
 
 def create_app(session: Session, engine: Engine, token: str | None = None, max_upload_mb: float = 1024,
-               hosts=None):
+               hosts=None, volumes: Volumes | None = None):
     """The ASGI application. ``token``: when set, every request must carry it (query ``token``,
     header ``X-Token`` or the cookie set when ``/`` is opened with it). ``hosts``: when set, the only
     ``Host`` headers accepted (a tokenless app on 127.0.0.1 names its own addresses, so a web page
-    whose domain was re-pointed at 127.0.0.1, DNS rebinding, cannot reach it)."""
+    whose domain was re-pointed at 127.0.0.1, DNS rebinding, cannot reach it). ``volumes``: the
+    session's volume mode (the one whose ``claim`` the session was given; default: the volumes the
+    session folder lists)."""
+    volumes = volumes if volumes is not None else Volumes(session.folder)
     app = FastAPI(title="alibi-vit app", docs_url=None, redoc_url=None, openapi_url=None)
     max_upload = int(max_upload_mb * (1 << 20))
 
@@ -263,8 +267,8 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
                 "images": [image_record(i) for i in list(session.images)],
                 "settings": {**session.settings, "backbones": engine.backbones(),
                              "backbone_weights": engine.backbone_weights()},
-                "volumes": [session.volumes.record(v) for v in list(session.volumes.volumes)],
-                "volume_model": session.volumes.model,
+                "volumes": [volumes.record(v) for v in list(volumes.volumes)],
+                "volume_model": volumes.model,
                 "model": engine.model_state(), "notes": session.skipped + engine.notes, "tile": TILE,
                 "limits": {"max_upload_mb": max_upload_mb, "max_megapixels": session.max_pixels / 1e6}}
 
@@ -304,9 +308,9 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
     @app.post("/api/images/add")
     def add_path(body: PathBody):
         """Add an image file or folder from disk: only inside the folders the app was started with."""
-        known = set(session.volumes.volumes)
+        known = set(volumes.volumes)
         ids, skipped = session.add_path(body.path)
-        return {"ids": ids, "skipped": skipped, "volumes": [v for v in session.volumes.volumes if v not in known]}
+        return {"ids": ids, "skipped": skipped, "volumes": [v for v in volumes.volumes if v not in known]}
 
     # ---- labels -----------------------------------------------------------------------------
     @app.get("/api/images/{image_id}/labels.png")
@@ -409,17 +413,15 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
         job.cancelled.set()
         return job.record()
 
-    add_volume_routes(app, session, engine, png)
+    add_volume_routes(app, session, engine, volumes, png)
     return app
 
 
-def add_volume_routes(app: FastAPI, session: Session, engine: Engine, png) -> None:
+def add_volume_routes(app: FastAPI, session: Session, engine: Engine, volumes: Volumes, png) -> None:
     """The volume mode's API (:mod:`~alibi_vit.app.volume`; API.md "Volumes"): slices of a volume in
     each view, their labels and predictions, strokes on a slice, Train and Save. Compute runs on the
     engine's worker, after the 2D Train and predictions already queued at the same priority."""
     from types import SimpleNamespace
-
-    volumes = session.volumes
 
     async def on_worker(request: Request, key, fn):
         return await outcome(request, engine, engine.scheduler.submit(key, fn, NOW))

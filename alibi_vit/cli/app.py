@@ -99,9 +99,11 @@ def _serve(args, backbone_kwargs: dict, max_pixels: int) -> int:
     from ..app.engine import Engine
     from ..app.server import create_app
     from ..app.session import Session
+    from ..app.volume import Volumes
 
+    volumes = Volumes(args.session)  # a volume given opens as one entry (the volume mode), not as pages
     session = Session(args.session, args.sources, allowed_roots=[args.out] if args.out is not None else [],
-                      max_pixels=max_pixels)
+                      max_pixels=max_pixels, volume_claim=volumes.claim)
     for reason in session.skipped:
         print(f"alibi-vit app: warning: {reason}", file=sys.stderr, flush=True)
     token = args.token or (None if args.host in LOCAL_HOSTS else secrets.token_urlsafe(24))
@@ -110,7 +112,7 @@ def _serve(args, backbone_kwargs: dict, max_pixels: int) -> int:
     sock = _listening_socket(args.host, args.port)
     port = sock.getsockname()[1]
     hosts = None if token else {f"{h}:{port}" for h in ("127.0.0.1", "localhost", "[::1]")}
-    app = create_app(session, engine, token=token, max_upload_mb=args.max_upload_mb, hosts=hosts)
+    app = create_app(session, engine, token=token, max_upload_mb=args.max_upload_mb, hosts=hosts, volumes=volumes)
     shown = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))

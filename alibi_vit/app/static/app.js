@@ -629,7 +629,7 @@
   function renderImages() {
     const list = $("image-list");
     const images = S.state.images;
-    $("no-images").hidden = images.length > 0;
+    $("no-images").hidden = images.length > 0 || (S.state.volumes || []).length > 0;
     const rows = new Map([...list.children].map((li) => [li.dataset.id, li]));
     images.forEach((im, i) => {
       let li = rows.get(im.id);
