@@ -154,7 +154,7 @@
     V.shown = `${view}/${index}`;
     V.overlayShown = null;
     V.labelsVersion = Number(labels.res.headers.get("X-Labels-Version"));
-    timing(event, performance.now() - t0, { volume: V.id, view, index });
+    timing(event, performance.now() - t0, { image: V.id, view, index });
     if (model()) showOverlay(performance.now());
   }
 
@@ -173,7 +173,7 @@
     draw(canvases.overlay, answer.image);
     canvases.overlay.hidden = !$("show-overlay").checked;
     V.overlayShown = `${view}/${index}/${answer.res.headers.get("X-Model")}`;
-    timing(event, performance.now() - t0, { volume: V.id, view, index });
+    timing(event, performance.now() - t0, { image: V.id, view, index });
   }
 
   async function reloadLabels() {
