@@ -190,6 +190,7 @@ class Volumes:
                     raise SessionError(f"volume {entry.name} is {image.volume_shape} now but was {entry.shape} when "
                                        "it was added: add it to a new session", status=409)
                 self._opened[volume_id] = image
+                _warm_up_classifier()
             return self._opened[volume_id]
 
     def _display_range(self, volume_id: str) -> tuple[float, float]:
@@ -399,6 +400,16 @@ class Volumes:
         entry = self.entry(volume_id)
         return {"id": volume_id, "name": entry.name, "file": entry.source.name, "shape": list(entry.shape),
                 "version": entry.version, "labelled": self.counts(volume_id)}
+
+
+def _warm_up_classifier() -> None:
+    """Import the classifier's library (XGBoost, with scikit-learn: about 3 s on a busy 2-core
+    machine) in the background once a volume is opened, so the first Train does not wait for it."""
+    import importlib
+    import sys
+
+    if "xgboost" not in sys.modules:
+        threading.Thread(target=importlib.import_module, args=("xgboost",), daemon=True).start()
 
 
 def _colour(values: np.ndarray, classes) -> np.ndarray:
