@@ -194,6 +194,8 @@ def test_xz_strokes_train_a_model_whose_slices_show_the_planted_layers_and_save_
         want = np.moveaxis(truth, ("xy", "xz", "yz").index(view), 0)[index]
         green = (shown[..., 1] == 255) & (shown[..., 0] == 0)
         assert np.mean(green == (want == 2)) > 0.95, (view, index)
+    restarted = open_session(tmp_path / "session", folder)[1]  # the model is restored on a restart
+    assert restarted.model == model and np.array_equal(restarted.trained().classes_, [1, 2])
     saved = client.post("/api/volumes/v/save", json={"what": ["labels", "masks", "model"]})
     assert saved.status_code == 200, saved.text
     mask = tifffile.imread(tmp_path / "session" / "export" / "masks" / "v_mask.tif")
