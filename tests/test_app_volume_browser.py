@@ -77,7 +77,7 @@ def test_labels_drawn_in_xz_train_a_model_whose_overlay_matches_the_planted_laye
             xz = app_driver.canvas_pixels(page, "#volume-labels")
             labelled = server.json("GET", "/api/state")["volumes"][0]["labelled"]
             assert set(labelled) == {"1", "2"}
-            xy = server.png(f"/api/volumes/stack/labels/xy/6.png")
+            xy = server.png("/api/volumes/stack/labels/xy/6.png")
             assert xy[y, 30, 3] == 255 and xy[y - 8, 30, 3] == 0  # the row y of slice z = 6, only there
             assert xz[6, 30, 3] > 0  # and the page shows its own stroke
 
@@ -89,7 +89,8 @@ def test_labels_drawn_in_xz_train_a_model_whose_overlay_matches_the_planted_laye
             page.keyboard.press("ArrowUp")  # the next XZ slice, with its overlay
             app_driver.wait_timing(page, "volume_overlay", "stack", 1, timeout_ms=120_000)
             assert page.evaluate("() => window.volumeApp.index") == y + 1
-            assert np.mean(classes_shown(app_driver.canvas_pixels(page, "#volume-overlay")) == truth[:, y + 1, :]) > 0.95
+            shown = classes_shown(app_driver.canvas_pixels(page, "#volume-overlay"))
+            assert np.mean(shown == truth[:, y + 1, :]) > 0.95
 
             page.keyboard.press("v")  # YZ
             app_driver.wait_timing(page, "volume_overlay", "stack", 2, timeout_ms=120_000)

@@ -182,6 +182,9 @@ class Volumes:
         entry = self.entry(volume_id)
         with self.lock:
             if volume_id not in self._opened:
+                if entry.source.resolve() != entry.source:  # it became a link since it was added
+                    raise SessionError(f"volume {entry.name} is not read: {entry.source} now leads to "
+                                       f"{entry.source.resolve()} (a symbolic link)", status=403)
                 try:
                     image = open_volume(entry.source)
                 except (ImageReadError, OSError) as err:

@@ -18,10 +18,9 @@ labels of a volume. Each change rewrites the blocks it touched.
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import numpy as np
+
+from .labels import BlockLabels
 
 __all__ = ["BLOCK", "SparseVolumeLabels", "plane_index"]
 
@@ -37,22 +36,21 @@ def plane_index(axis: int, index: int, rows=slice(None), cols=slice(None)) -> tu
     return tuple(out)
 
 
-class SparseVolumeLabels:
+class SparseVolumeLabels(BlockLabels):
     """A (Z, Y, X) uint8 label volume of which only the ``BLOCK``³ blocks holding a label are kept.
 
     ``blocks`` maps a block's (z, y, x) index to its array; a block that is all 0 is not kept.
-    Treat it as immutable: :meth:`painted` makes the changed copy."""
+    Treat it as immutable: :meth:`painted` makes the changed copy. ``any``, ``counts`` and
+    ``write`` and ``export`` as for 2D labels (:class:`~alibi_vit.app.labels.BlockLabels`)."""
 
     dtype = np.dtype(np.uint8)
     ndim = 3
+    axes = "zyx"
 
     def __init__(self, shape, blocks: dict | None = None):
         self.shape = tuple(int(n) for n in shape)
         self.chunks = (BLOCK,) * 3
         self.blocks: dict[tuple[int, int, int], np.ndarray] = dict(blocks or {})
-
-    def _box(self, key) -> tuple[slice, ...]:
-        return tuple(slice(k * BLOCK, min((k + 1) * BLOCK, n)) for k, n in zip(key, self.shape))
 
     def __getitem__(self, index) -> np.ndarray:
         """The labels of a box ``labels[zs, ys, xs]`` (slices with step 1, or integers, which drop
@@ -111,52 +109,3 @@ class SparseVolumeLabels:
                 else:
                     out.blocks.pop(key, None)
         return out
-
-    def any(self) -> bool:
-        return bool(self.blocks)
-
-    def counts(self) -> np.ndarray:
-        """Voxels per label value 0..255 (0 counts only the voxels of the blocks kept)."""
-        total = np.zeros(256, np.int64)
-        for block in self.blocks.values():
-            total += np.bincount(block.ravel(), minlength=256)
-        return total
-
-    # ---- the zarr store -----------------------------------------------------------------------
-    def _store(self, path: Path, create: bool):
-        import zarr
-
-        if create:
-            array = zarr.create_array(str(path), shape=self.shape, chunks=self.chunks, dtype=np.uint8, fill_value=0,
-                                      zarr_format=2, overwrite=True,
-                                      chunk_key_encoding={"name": "v2", "separator": "/"})
-            array.attrs["_ARRAY_DIMENSIONS"] = ["z", "y", "x"]  # so readers know the axes (chunked.open_volume)
-            return array
-        return zarr.open_array(str(path), mode="r+")
-
-    def write(self, path: Path, before: "SparseVolumeLabels | None" = None) -> None:
-        """Write the blocks that differ from ``before`` (all, without it) into the zarr store at
-        ``path``; a block gone since ``before`` is written as zeros (zarr then removes its file)."""
-        path = Path(path)
-        if before is None or not path.exists():
-            store, keys = self._store(path, True), list(self.blocks)
-        else:
-            store = self._store(path, False)
-            keys = [k for k in set(self.blocks) | set(before.blocks) if self.blocks.get(k) is not before.blocks.get(k)]
-        for key in keys:
-            block = self.blocks.get(key)
-            store[self._box(key)] = block if block is not None else 0
-
-    def export(self, path: Path) -> Path:
-        """A complete zarr label store at ``path`` (written beside it, then renamed)."""
-        path = Path(path)
-        partial = path.with_name(f".{path.name}.partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        try:
-            self.write(partial)
-            shutil.rmtree(path, ignore_errors=True)
-            partial.rename(path)
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
-        return path
