@@ -83,8 +83,12 @@ def test_a_stack_a_zarr_and_a_2d_image_open_as_one_volume_entry_each(tmp_path, s
     assert [i["id"] for i in state["images"]] == ["flat"]
     assert sorted((v["id"], tuple(v["shape"])) for v in state["volumes"]) == [("cube", (6, 10, 12)),
                                                                              ("stack", (6, 10, 12))]
+    upload = io.BytesIO()
+    tifffile.imwrite(upload, volume)
+    answer = client.post("/api/images?name=up.tif", content=upload.getvalue()).json()
+    assert answer == {"ids": [], "volumes": ["up"]}
     again, volumes = open_session(tmp_path / "session", folder)  # a restart adds nothing twice
-    assert sorted(volumes.volumes) == ["cube", "stack"] and list(again.images) == ["flat"]
+    assert sorted(volumes.volumes) == ["cube", "stack", "up"] and list(again.images) == ["flat"]
 
 
 def test_slices_of_each_view_are_the_volume_s_planes(tmp_path, start):

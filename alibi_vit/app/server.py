@@ -303,7 +303,9 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
                 raise too_big
         if not data:
             raise SessionError(f"{shown} is empty")
-        return {"ids": await run_in_threadpool(session.add_upload, name, bytes(data))}
+        known = set(volumes.volumes)
+        ids = await run_in_threadpool(session.add_upload, name, bytes(data))
+        return {"ids": ids, "volumes": [v for v in volumes.volumes if v not in known]}
 
     @app.post("/api/images/add")
     def add_path(body: PathBody):
