@@ -222,3 +222,29 @@ def test_bad_volume_requests_get_a_reason(tmp_path, start):
     assert "no volume has labels" in client.post("/api/volumes/train").json()["detail"]
     assert client.post("/api/volumes/v/undo").status_code == 409
     assert client.post("/api/volumes/v/save", json={"what": ["masks"]}).status_code == 409
+
+
+def test_a_folder_of_slices_is_one_volume_with_slice_folders_and_bad_ones_are_one_line_errors(tmp_path, capsys):
+    volume = layered_volume((5, 8, 9))[0]
+    folder = tmp_path / "slices"
+    folder.mkdir()
+    for z in (0, 1, 2, 3, 4):  # numbered 2, 4, ..., 10: ordered by the number, not the name
+        Image.fromarray(volume[z]).save(folder / f"s{2 * z + 2}.png")
+    volumes = Volumes(tmp_path / "session")
+    assert volumes.claim(folder) is None  # a folder is a volume only when the user says so
+    assert volumes.claim(folder, slice_folder=True) == "slices"
+    assert np.array_equal(volumes.plane("slices", 1, 3), volume[:, 3, :])
+    Image.fromarray(np.zeros((4, 4), np.uint8)).save(folder / "s99.png")
+    assert main(["app", str(folder), "--slice-folders", "--session", str(tmp_path / "other"), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "slice s99.png is 4×4" in err
+
+
+def test_a_volume_with_a_slice_over_the_pixel_limit_is_skipped_with_the_reason(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    tifffile.imwrite(folder / "tall.tif", np.zeros((40, 8, 8), np.uint8))  # XZ and YZ slices of 320 px
+    volumes = Volumes(tmp_path / "session", max_pixels=300)
+    session = Session(tmp_path / "session", [folder], allowed_roots=[folder], volume_claim=volumes.claim)
+    assert not volumes.volumes and not session.images
+    assert "tall.tif is a volume of 8×8×40 voxels whose largest slice has 0.0 Mpx" in session.skipped[0]

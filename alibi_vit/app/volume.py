@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import SessionError
+from .imagefiles import DEFAULT_MAX_PIXELS
 from .session import not_saved, png_bytes, remember, stroke_footprint, write_atomic
 from .volume_labels import SparseVolumeLabels
 
@@ -95,8 +96,9 @@ def _axis(view) -> int:
 class Volumes:
     """The volumes of one session folder (see the module docstring); thread-safe."""
 
-    def __init__(self, folder):
+    def __init__(self, folder, max_pixels: int = DEFAULT_MAX_PIXELS):
         self.folder = Path(folder).resolve()
+        self.max_pixels = int(max_pixels)  # the largest slice, in any view
         self.lock = threading.RLock()
         self.volumes: dict[str, VolumeEntry] = {}
         self.labels: dict[str, SparseVolumeLabels] = {}
@@ -138,16 +140,18 @@ class Volumes:
         except OSError as err:
             raise not_saved("the new volume", self.folder, err) from None
 
-    def claim(self, path, taken=()) -> str | None:
-        """Add ``path`` as a volume when it is one (:func:`is_volume_path`): its id (also when it was
-        added before), else None. ``taken``: ids of the session's 2D images, not reused. A file that
-        claims to be a volume but cannot be read as one (pages of different sizes) is a ValueError."""
+    def claim(self, path, taken=(), slice_folder: bool = False) -> str | None:
+        """Add ``path`` as a volume when it is one (:func:`is_volume_path`, or with ``slice_folder`` a
+        folder of numbered slices): its id (also when it was added before), else None. ``taken``: ids
+        of the session's 2D images, not reused. A file that claims to be a volume but cannot be read
+        as one (pages of different sizes) is a ValueError; one whose largest slice in any view has
+        more than ``max_pixels`` pixels a 413 SessionError."""
         from ..chunked import open_volume
         from ..images import ImageReadError
         from ..trainable.output_folder import image_stem
 
         path = Path(path).resolve()
-        if not is_volume_path(path):
+        if not (is_volume_path(path) or (slice_folder and path.is_dir())):
             return None
         with self.lock:
             for entry in self.volumes.values():
@@ -157,6 +161,11 @@ class Volumes:
                 image = open_volume(path)
             except ImageReadError as err:
                 raise ValueError(str(err)) from None
+            nz, ny, nx = image.volume_shape
+            if max(ny * nx, nz * nx, nz * ny) > self.max_pixels:
+                raise SessionError(f"{path.name} is a volume of {nx}×{ny}×{nz} voxels whose largest slice has "
+                                   f"{max(ny * nx, nz * nx, nz * ny) / 1e6:.1f} Mpx, over the app's limit of "
+                                   f"{self.max_pixels / 1e6:.1f} Mpx per image (--max-megapixels)", status=413)
             base = re.sub(r"[^A-Za-z0-9_.-]", "_", image_stem(path)).strip(".") or "volume"
             volume_id, n = base, 2
             while volume_id in self.volumes or volume_id in taken:
