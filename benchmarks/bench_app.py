@@ -115,6 +115,13 @@ class StatePoller:
         return self.times
 
 
+def machine_name() -> str:
+    """The machine, as the app benchmarks' reports name it."""
+    if (os.cpu_count() or 0) <= 2:
+        return f"2-core CPU, no GPU ({cpu_name()}, {os.cpu_count()} CPUs)"
+    return f"{os.cpu_count()}-core CPU ({cpu_name()})"
+
+
 def peak_rss_gb(pid: int) -> float | None:
     """The process's peak resident memory so far (Linux VmHWM), in GB."""
     try:
@@ -235,8 +242,7 @@ def run(args) -> dict:
 
 
 def report(result: dict, args) -> tuple[Path, Path]:
-    machine = f"2-core CPU, no GPU ({cpu_name()}, {os.cpu_count()} CPUs)" if (os.cpu_count() or 0) <= 2 else \
-        f"{os.cpu_count()}-core CPU ({cpu_name()})"
+    machine = machine_name()
     command = command_line("bench_app.py", args.argv)
     env = environment()
     try:

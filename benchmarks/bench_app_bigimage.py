@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from app_driver import (Server, draw, launch_chromium, strokes_inside, to_screen, wait_idle,  # noqa: E402
                         wait_timing)
-from bench_app import cpu_name, peak_rss_gb, run_and_report  # noqa: E402
+from bench_app import cpu_name, machine_name, peak_rss_gb, run_and_report  # noqa: E402
 from report import command_line, environment, write_report  # noqa: E402
 
 TARGETS = {"train_to_overlay_s": 3.0, "open_big_s": 3.0, "server_peak_rss_gb": 2.5}
@@ -180,8 +180,7 @@ def run(args) -> dict:
 
 
 def report(result: dict, args) -> tuple[Path, Path]:
-    machine = f"2-core CPU, no GPU ({cpu_name()}, {os.cpu_count()} CPUs)" if (os.cpu_count() or 0) <= 2 else \
-        f"{os.cpu_count()}-core CPU ({cpu_name()})"
+    machine = machine_name()
     command = command_line("bench_app_bigimage.py", args.argv)
     env = environment()
     measured = {"train_to_overlay_s": result["train"]["ms"] / 1000, "open_big_s": result["open_big"]["ms"] / 1000,

@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from app_driver import (Server, canvas_pixels, draw_on_slice, launch_chromium, strokes_inside,  # noqa: E402
                         wait_timing)
-from bench_app import cpu_name, peak_rss_gb, run_and_report  # noqa: E402
+from bench_app import cpu_name, machine_name, peak_rss_gb, run_and_report  # noqa: E402
 from report import command_line, environment, write_report  # noqa: E402
 
 TARGETS = {"open_s": 3.0, "slice_change_ms": 200.0, "train_to_overlay_s": 5.0}
@@ -163,8 +163,7 @@ def run(args) -> dict:
 
 
 def report(result: dict, args) -> tuple[Path, Path]:
-    machine = f"2-core CPU, no GPU ({cpu_name()}, {os.cpu_count()} CPUs)" if (os.cpu_count() or 0) <= 2 else \
-        f"{os.cpu_count()}-core CPU ({cpu_name()})"
+    machine = machine_name()
     command = command_line("bench_app_volume.py", args.argv)
     env = environment()
     steps = {view: [r["ms"] for r in result[f"slices_{view}"]] for view in ("xy", "yz", "xz", "xz_trained")}
