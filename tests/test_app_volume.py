@@ -6,6 +6,7 @@ the volume's mask."""
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import pytest
@@ -194,10 +195,13 @@ def test_xz_strokes_train_a_model_whose_slices_show_the_planted_layers_and_save_
     model = client.post("/api/volumes/train").json()["model"]
     assert model["classes"] == [1, 2]
     for view, index in (("xy", 4), ("xy", 27), ("xz", 3), ("yz", 20)):
-        shown = png(client.get(f"/api/volumes/v/prediction/{view}/{index}.png"))
+        answer = client.get(f"/api/volumes/v/prediction/{view}/{index}.png")
+        shown = png(answer)
         want = np.moveaxis(truth, ("xy", "xz", "yz").index(view), 0)[index]
         green = (shown[..., 1] == 255) & (shown[..., 0] == 0)
         assert np.mean(green == (want == 2)) > 0.95, (view, index)
+        fractions = json.loads(answer.headers["X-Fractions"])
+        assert abs(fractions["2"] - np.mean(want == 2)) < 0.05 and abs(sum(fractions.values()) - 1) < 1e-4
     restarted = open_session(tmp_path / "session", folder)[1]  # the model is restored on a restart
     assert restarted.model == model and np.array_equal(restarted.trained().classes_, [1, 2])
     saved = client.post("/api/volumes/v/save", json={"what": ["labels", "masks", "model"]})

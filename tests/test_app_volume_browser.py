@@ -1,8 +1,14 @@
 """The app's volume mode in a real browser (Debian's Chromium driven by Playwright, real mouse and keys):
 a small volume opens as one entry, labels drawn in the XZ view train a model, and the overlay of
-slices in every view shows the planted layers."""
+slices in every view shows the planted layers.
+
+    ALIBI_VIT_SCREENSHOT=1 pytest tests/test_app_volume_browser.py   # also writes benchmarks/results/app_volume_screenshot.png
+"""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -85,6 +91,11 @@ def test_labels_drawn_in_xz_train_a_model_whose_overlay_matches_the_planted_laye
             app_driver.wait_timing(page, "volume_train_overlay", None, 1, timeout_ms=120_000)
             shown = classes_shown(app_driver.canvas_pixels(page, "#volume-overlay"))
             assert np.mean(shown == truth[:, y, :]) > 0.95
+            share = float(page.inner_text('#fractions tr[data-value="1"] .num').rstrip(" %")) / 100
+            assert abs(share - np.mean(truth[:, y, :] == 1)) < 0.05  # the slice's area fractions
+            if os.environ.get("ALIBI_VIT_SCREENSHOT"):  # the docs' picture (docs/app.md "Volumes")
+                page.screenshot(path=str(Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+                                         / "app_volume_screenshot.png"))
 
             page.keyboard.press("ArrowUp")  # the next XZ slice, with its overlay
             app_driver.wait_timing(page, "volume_overlay", "stack", 1, timeout_ms=120_000)

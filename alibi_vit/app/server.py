@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import secrets
 import traceback
 from pathlib import Path
@@ -442,9 +443,9 @@ def add_volume_routes(app: FastAPI, session: Session, engine: Engine, volumes: V
         volumes.check_slice(volume_id, view, index)
         volumes.trained()
         model = volumes.model["id"]
-        data = await on_worker(request, ("volume-slice", volume_id, view, index, model),
-                               lambda: volumes.prediction_png(volume_id, view, index, session.classes))
-        return png(data, {"X-Model": str(model)})
+        data, fractions = await on_worker(request, ("volume-slice", volume_id, view, index, model),
+                                          lambda: volumes.prediction_png(volume_id, view, index, session.classes))
+        return png(data, {"X-Model": str(model), "X-Fractions": json.dumps(fractions)})
 
     def label_answer(volume_id: str, version: int) -> dict:
         return {"version": version, "labelled": volumes.counts(volume_id)}

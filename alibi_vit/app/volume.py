@@ -364,9 +364,10 @@ class Volumes:
             raise SessionError("no volume model yet: label at least two classes and press Train", status=409)
         return self._seg
 
-    def prediction_png(self, volume_id: str, view, index, classes) -> bytes:
+    def prediction_png(self, volume_id: str, view, index, classes) -> tuple[bytes, dict]:
         """The predicted classes of one slice in the class colours (opaque), from the 3D features of
-        that plane only; kept for the last few slices of the current model."""
+        that plane only, and the share of the slice in each class ({"1": 0.4, ...}); kept for the
+        last few slices of the current model."""
         axis, index = self.check_slice(volume_id, view, index)
         seg = self.trained()
         key = (volume_id, axis, index, self.model["id"], tuple((c["value"], c["color"]) for c in classes))
@@ -375,9 +376,10 @@ class Volumes:
                 return self._overlays[key]
         proba = seg.plane_proba(self.image(volume_id), axis, index)
         predicted = seg.classes_[np.argmax(proba, axis=-1)].astype(np.uint8)
-        data = png_bytes(_colour(predicted, classes))
+        counts = np.bincount(predicted.ravel(), minlength=256)
+        fractions = {str(v): round(float(counts[v]) / predicted.size, 6) for v in seg.classes_}
         with self.lock:
-            return remember(self._overlays, key, data, KEEP_OVERLAYS)
+            return remember(self._overlays, key, (png_bytes(_colour(predicted, classes)), fractions), KEEP_OVERLAYS)
 
     def save(self, volume_id: str, out: Path, what) -> dict:
         """Write ``what`` of a volume into ``out``: "labels" (``labels/<stem>_labels.zarr``), "model"

@@ -154,6 +154,7 @@
     get overlayShown() { return S.overlayShown; },
     get labelsVersion() { return S.labelsVersion; },
     get overlayStale() { return !$("overlay-stale").hidden; },
+    renderFractions: (p) => renderFractions(p),   // the volume mode's slice fractions (volume.js)
   };
 
   const imageById = (id) => (S.state ? S.state.images.find((im) => im.id === id) : undefined);

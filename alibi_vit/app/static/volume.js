@@ -172,6 +172,9 @@
     if (seq !== V.seq) return;
     draw(canvases.overlay, answer.image);
     canvases.overlay.hidden = !$("show-overlay").checked;
+    window.app.renderFractions({ fractions: JSON.parse(answer.res.headers.get("X-Fractions") || "{}"), predicted: 1 });
+    $("fractions-note").hidden = false;
+    $("fractions-note").textContent = `of the ${view.toUpperCase()} slice ${ACROSS[view]} = ${index}`;
     V.overlayShown = `${view}/${index}/${answer.res.headers.get("X-Model")}`;
     timing(event, performance.now() - t0, { image: V.id, view, index });
   }
