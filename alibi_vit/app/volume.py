@@ -202,8 +202,8 @@ class Volumes:
                     raise SessionError(f"volume {entry.name} is {image.volume_shape} now but was {entry.shape} when "
                                        "it was added: add it to a new session", status=409)
                 self._opened[volume_id] = image
-                _warm_up_classifier()
-            return self._opened[volume_id]
+        _warm_up_classifier()  # a volume is being looked at: Train may follow
+        return self._opened[volume_id]
 
     def _display_range(self, volume_id: str) -> tuple[float, float]:
         if volume_id not in self._display:
