@@ -163,6 +163,34 @@ def draw(page, points, steps: int = 8, wait_sent: bool = False) -> None:
         page.wait_for_function("() => window.app.pendingStrokes === 0")
 
 
+def slice_to_screen(page, x: float, y: float) -> tuple[float, float]:
+    """Pixel (column x, row y) of the volume slice shown → page coordinates of its centre."""
+    box = page.locator("#volume-stage").bounding_box()
+    scale = page.evaluate("() => window.volumeApp.scale")
+    return box["x"] + (x + 0.5) * scale, box["y"] + (y + 0.5) * scale
+
+
+def draw_on_slice(page, points, steps: int = 6) -> None:
+    """A stroke with the left mouse button through ``points`` (pixels of the volume slice shown),
+    then waits until the server has it."""
+    page.mouse.move(*slice_to_screen(page, *points[0]))
+    page.mouse.down()
+    for p in points[1:]:
+        page.mouse.move(*slice_to_screen(page, *p), steps=steps)
+    page.mouse.up()
+    page.wait_for_function("() => window.volumeApp.pendingStrokes === 0")
+
+
+def canvas_pixels(page, selector: str):
+    """The RGBA pixels of a canvas of the page, as a (height, width, 4) uint8 array."""
+    import numpy as np
+
+    w, h, data = page.evaluate("""sel => { const c = document.querySelector(sel);
+        return [c.width, c.height, Array.from(c.getContext('2d').getImageData(0, 0, c.width, c.height).data)]; }""",
+                               selector)
+    return np.asarray(data, np.uint8).reshape(h, w, 4)
+
+
 def wait_idle(page, timeout_ms: float = 300_000) -> None:
     """No stroke in flight and no training running (nor queued)."""
     page.wait_for_function("() => window.app.pendingStrokes === 0 && !window.app.training", timeout=timeout_ms)

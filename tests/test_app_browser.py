@@ -527,7 +527,9 @@ def test_two_hundred_images_and_a_stack_leave_the_panels_in_view(tmp_path, serve
     for i in range(200):
         tifffile.imwrite(folder / f"sample_{i:03d}.tif", rng.integers(0, 4000, (16, 16), dtype=np.uint16))
     stack = "focused_ion_beam_stack_of_the_nickel_superalloy_sample_after_ageing.tif"
-    tifffile.imwrite(folder / stack, rng.integers(0, 4000, (20, 16, 16), dtype=np.uint16))
+    with tifffile.TiffWriter(folder / stack) as tif:  # written page by page: pages, not a volume (one entry)
+        for _ in range(20):
+            tif.write(rng.integers(0, 4000, (16, 16), dtype=np.uint16), photometric="minisblack")
     (folder / "broken.tif").write_bytes(b"II*\0 not a TIFF")
     server = servers(folder, tmp_path / "session")
     page = new_page()

@@ -24,12 +24,70 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["BLOCK", "SparseLabels", "pooled_labels"]
+__all__ = ["BLOCK", "BlockLabels", "SparseLabels", "pooled_labels"]
 
 BLOCK = 512  # px: the blocks labels are held in, and the chunks of their zarr store (= the display tile)
 
 
-class SparseLabels:
+class BlockLabels:
+    """What label images kept as blocks share (:class:`SparseLabels`, and the volumes'
+    :class:`~alibi_vit.app.volume_labels.SparseVolumeLabels`): ``blocks`` maps a block's index to
+    its array, a block all 0 is not kept, and ``write(path)`` stores them as a zarr array."""
+
+    blocks: dict
+    shape: tuple
+    chunks: tuple  # the block's size per axis (= the zarr store's chunks)
+    axes: str  # the axis names, stored with the zarr array
+
+    def _box(self, key) -> tuple[slice, ...]:
+        """The slices of the block at ``key`` (its index per axis)."""
+        return tuple(slice(k * b, min((k + 1) * b, n)) for k, b, n in zip(key, self.chunks, self.shape))
+
+    def write(self, path: Path, before: "BlockLabels | None" = None) -> None:
+        """Write the blocks that differ from ``before`` (all, without it) into the zarr store at
+        ``path`` (uint8, chunks of one block, its axes named); a block gone since ``before`` is
+        written as zeros (zarr then removes its file)."""
+        import zarr
+
+        path = Path(path)
+        if before is None or not path.exists():
+            store = zarr.create_array(str(path), shape=self.shape, chunks=self.chunks, dtype=np.uint8, fill_value=0,
+                                      zarr_format=2, overwrite=True, chunk_key_encoding={"name": "v2", "separator": "/"})
+            store.attrs["_ARRAY_DIMENSIONS"] = list(self.axes)  # so readers know the axes (chunked.open_image)
+            keys = list(self.blocks)
+        else:
+            store = zarr.open_array(str(path), mode="r+")
+            keys = [k for k in set(self.blocks) | set(before.blocks) if self.blocks.get(k) is not before.blocks.get(k)]
+        for key in keys:
+            block = self.blocks.get(key)
+            store[self._box(key)] = block if block is not None else 0
+
+    def any(self) -> bool:
+        return bool(self.blocks)
+
+    def counts(self) -> np.ndarray:
+        """Pixels per label value 0..255 (0 counts only the pixels of the blocks kept)."""
+        total = np.zeros(256, np.int64)
+        for block in self.blocks.values():
+            total += np.bincount(block.ravel(), minlength=256)
+        return total
+
+    def export(self, path: Path) -> Path:
+        """A complete zarr label store at ``path`` (written beside it, then renamed)."""
+        path = Path(path)
+        partial = path.with_name(f".{path.name}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        try:
+            self.write(partial)
+            shutil.rmtree(path, ignore_errors=True)
+            partial.rename(path)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        return path
+
+
+class SparseLabels(BlockLabels):
     """An (H, W) uint8 label image of which only the ``BLOCK``² blocks holding a label are stored.
 
     ``blocks`` maps (block row, block column) to its (≤ BLOCK, ≤ BLOCK) array; a block that is
@@ -37,6 +95,7 @@ class SparseLabels:
 
     dtype = np.dtype(np.uint8)
     ndim = 2
+    axes = "yx"
 
     def __init__(self, shape, blocks: dict | None = None):
         self.shape = (int(shape[0]), int(shape[1]))
@@ -44,8 +103,7 @@ class SparseLabels:
         self.blocks: dict[tuple[int, int], np.ndarray] = dict(blocks or {})
 
     def _block_slices(self, r: int, c: int) -> tuple[slice, slice]:
-        return (slice(r * BLOCK, min((r + 1) * BLOCK, self.shape[0])),
-                slice(c * BLOCK, min((c + 1) * BLOCK, self.shape[1])))
+        return self._box((r, c))
 
     def _keys_in(self, rows: slice, cols: slice):
         return [(r, c) for (r, c) in self.blocks
@@ -90,56 +148,6 @@ class SparseLabels:
                     else:
                         out.blocks.pop((r, c), None)
         return out
-
-    def any(self) -> bool:
-        return bool(self.blocks)
-
-    def counts(self) -> np.ndarray:
-        """Pixels per label value 0..255 (0 counts only the pixels of the blocks kept)."""
-        total = np.zeros(256, np.int64)
-        for block in self.blocks.values():
-            total += np.bincount(block.ravel(), minlength=256)
-        return total
-
-    # ---- the zarr store -----------------------------------------------------------------------
-    @staticmethod
-    def _open_store(path: Path, shape, mode: str):
-        import zarr
-
-        if mode == "w":
-            return zarr.create_array(str(path), shape=shape, chunks=(BLOCK, BLOCK), dtype=np.uint8, fill_value=0,
-                                     zarr_format=2, overwrite=True,
-                                     chunk_key_encoding={"name": "v2", "separator": "/"})
-        return zarr.open_array(str(path), mode=mode)
-
-    def write(self, path: Path, before: "SparseLabels | None" = None) -> None:
-        """Write the blocks that differ from ``before`` (all, without it) into the zarr store at
-        ``path``; a block gone since ``before`` is written as zeros (zarr then removes its file)."""
-        path = Path(path)
-        if before is None or not path.exists():
-            store = self._open_store(path, self.shape, "w")
-            keys, before = list(self.blocks), SparseLabels(self.shape)
-        else:
-            store = self._open_store(path, self.shape, "r+")
-            keys = [k for k in set(self.blocks) | set(before.blocks) if self.blocks.get(k) is not before.blocks.get(k)]
-        for r, c in keys:
-            br, bc = self._block_slices(r, c)
-            block = self.blocks.get((r, c))
-            store[br, bc] = block if block is not None else 0
-
-    def export(self, path: Path) -> Path:
-        """A complete zarr label store at ``path`` (written beside it, then renamed)."""
-        path = Path(path)
-        partial = path.with_name(f".{path.name}.partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        try:
-            self.write(partial)
-            shutil.rmtree(path, ignore_errors=True)
-            partial.rename(path)
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
-        return path
 
 
 def _max_pool(block: np.ndarray, factor: int) -> np.ndarray:

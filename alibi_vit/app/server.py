@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import secrets
 import traceback
 from pathlib import Path
@@ -29,9 +30,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import MutableHeaders
 
-from .engine import Engine
+from .engine import NOW, Engine
 from .pyramid import TILE
 from .session import MAX_POINTS, Session, SessionError, not_saved
+from .volume import Volumes
 
 __all__ = ["MAX_JSON_BYTES", "STATIC", "TOKEN_COOKIE", "create_app"]
 
@@ -95,6 +97,15 @@ class PredictBody(TrainBody):
 class SaveBody(ImageBody):
     what: list[str]
     scope: str = "image"
+
+
+class VolumeStrokeBody(StrokeBody):
+    view: Literal["xy", "xz", "yz"]
+    index: StrictInt  # the slice shown: z in XY, y in XZ, x in YZ
+
+
+class VolumeSaveBody(_Body):
+    what: list[Literal["labels", "model", "masks"]] = Field(min_length=1)
 
 
 class PathBody(_Body):
@@ -188,11 +199,14 @@ class Guard:
 
 
 def create_app(session: Session, engine: Engine, token: str | None = None, max_upload_mb: float = 1024,
-               hosts=None):
+               hosts=None, volumes: Volumes | None = None):
     """The ASGI application. ``token``: when set, every request must carry it (query ``token``,
     header ``X-Token`` or the cookie set when ``/`` is opened with it). ``hosts``: when set, the only
     ``Host`` headers accepted (a tokenless app on 127.0.0.1 names its own addresses, so a web page
-    whose domain was re-pointed at 127.0.0.1, DNS rebinding, cannot reach it)."""
+    whose domain was re-pointed at 127.0.0.1, DNS rebinding, cannot reach it). ``volumes``: the
+    session's volume mode (the one whose ``claim`` the session was given; default: the volumes the
+    session folder lists)."""
+    volumes = volumes if volumes is not None else Volumes(session.folder)
     app = FastAPI(title="alibi-vit app", docs_url=None, redoc_url=None, openapi_url=None)
     max_upload = int(max_upload_mb * (1 << 20))
 
@@ -254,6 +268,8 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
                 "images": [image_record(i) for i in list(session.images)],
                 "settings": {**session.settings, "backbones": engine.backbones(),
                              "backbone_weights": engine.backbone_weights()},
+                "volumes": [volumes.record(v) for v in list(volumes.volumes)],
+                "volume_model": volumes.model,
                 "model": engine.model_state(), "notes": session.skipped + engine.notes, "tile": TILE,
                 "limits": {"max_upload_mb": max_upload_mb, "max_megapixels": session.max_pixels / 1e6}}
 
@@ -288,13 +304,16 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
                 raise too_big
         if not data:
             raise SessionError(f"{shown} is empty")
-        return {"ids": await run_in_threadpool(session.add_upload, name, bytes(data))}
+        known = set(volumes.volumes)
+        ids = await run_in_threadpool(session.add_upload, name, bytes(data))
+        return {"ids": ids, "volumes": [v for v in volumes.volumes if v not in known]}
 
     @app.post("/api/images/add")
     def add_path(body: PathBody):
         """Add an image file or folder from disk: only inside the folders the app was started with."""
+        known = set(volumes.volumes)
         ids, skipped = session.add_path(body.path)
-        return {"ids": ids, "skipped": skipped}
+        return {"ids": ids, "skipped": skipped, "volumes": [v for v in volumes.volumes if v not in known]}
 
     # ---- labels -----------------------------------------------------------------------------
     @app.get("/api/images/{image_id}/labels.png")
@@ -397,5 +416,61 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
         job.cancelled.set()
         return job.record()
 
+    add_volume_routes(app, session, engine, volumes, png)
     return app
 
+
+def add_volume_routes(app: FastAPI, session: Session, engine: Engine, volumes: Volumes, png) -> None:
+    """The volume mode's API (:mod:`~alibi_vit.app.volume`; API.md "Volumes"): slices of a volume in
+    each view, their labels and predictions, strokes on a slice, Train and Save. Compute runs on the
+    engine's worker, after the 2D Train and predictions already queued at the same priority."""
+    from types import SimpleNamespace
+
+    async def on_worker(request: Request, key, fn):
+        return await outcome(request, engine, engine.scheduler.submit(key, fn, NOW))
+
+    @app.get("/api/volumes/{volume_id}/slice/{view}/{index}.png")
+    def volume_slice(volume_id: str, view: str, index: int):
+        return png(volumes.slice_png(volume_id, view, index))
+
+    @app.get("/api/volumes/{volume_id}/labels/{view}/{index}.png")
+    def volume_labels(volume_id: str, view: str, index: int):
+        data, version = volumes.labels_png(volume_id, view, index, session.classes)
+        return png(data, {"X-Labels-Version": str(version)})
+
+    @app.get("/api/volumes/{volume_id}/prediction/{view}/{index}.png")
+    async def volume_prediction(request: Request, volume_id: str, view: str, index: int):
+        volumes.check_slice(volume_id, view, index)
+        volumes.trained()
+        model = volumes.model["id"]
+        data, fractions = await on_worker(request, ("volume-slice", volume_id, view, index, model),
+                                          lambda: volumes.prediction_png(volume_id, view, index, session.classes))
+        return png(data, {"X-Model": str(model), "X-Fractions": json.dumps(fractions)})
+
+    def label_answer(volume_id: str, version: int) -> dict:
+        return {"version": version, "labelled": volumes.counts(volume_id)}
+
+    @app.post("/api/volumes/{volume_id}/strokes")
+    def volume_stroke(volume_id: str, body: VolumeStrokeBody):
+        axis, index = volumes.check_slice(volume_id, body.view, body.index)
+        plane = SimpleNamespace(shape=volumes.entry(volume_id).plane_shape(axis))  # the checks need its size only
+        stroke = session._check_stroke(plane, body.cls, body.radius, [list(p) for p in body.points], body.erase)
+        return label_answer(volume_id, volumes.add_stroke(volume_id, body.view, index, stroke))
+
+    @app.post("/api/volumes/{volume_id}/undo")
+    def volume_undo(volume_id: str, body: UndoBody | None = Body(None)):
+        return label_answer(volume_id, volumes.undo(volume_id, expected_version=body and body.version))
+
+    @app.post("/api/volumes/{volume_id}/redo")
+    def volume_redo(volume_id: str, body: UndoBody | None = Body(None)):
+        return label_answer(volume_id, volumes.undo(volume_id, redo=True, expected_version=body and body.version))
+
+    @app.post("/api/volumes/train")
+    async def volume_train(request: Request):
+        return {"model": await on_worker(request, ("volume-train",), volumes.train)}
+
+    @app.post("/api/volumes/{volume_id}/save")
+    async def volume_save(request: Request, volume_id: str, body: VolumeSaveBody):
+        volumes.entry(volume_id)
+        return await on_worker(request, ("volume-save", volume_id, tuple(body.what)),
+                               lambda: volumes.save(volume_id, engine.out, body.what))

@@ -206,10 +206,12 @@ class Session:
     sources: image files and folders added at start; a file that cannot be read, is too large, is
     a link out of the folders given, or is of another pixel kind than the majority is skipped and
     named in ``skipped``. allowed_roots: the folders ``add_path`` may read from (with the session
-    folder). max_pixels: the largest image read (:mod:`~alibi_vit.app.imagefiles`).
+    folder). max_pixels: the largest image read (:mod:`~alibi_vit.app.imagefiles`). volume_claim:
+    ``claim(path, ids)`` of the volume mode (:class:`~alibi_vit.app.volume.Volumes`), which takes a
+    file that is a volume (returns its id) before it is read as 2D images.
     """
 
-    def __init__(self, folder, sources=(), allowed_roots=(), max_pixels: int = DEFAULT_MAX_PIXELS):
+    def __init__(self, folder, sources=(), allowed_roots=(), max_pixels: int = DEFAULT_MAX_PIXELS, volume_claim=None):
         self.folder = Path(folder).resolve()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -233,6 +235,7 @@ class Session:
         self.allowed_roots = [Path(r).resolve() for r in [*allowed_roots, *given]] + [self.folder]
         if (self.folder / "session.json").is_file():
             self._load()
+        self.volume_claim = volume_claim
         self.skipped = self._add_sources(sources)
         self._save()
 
@@ -388,6 +391,8 @@ class Session:
                                             "with: not added", status=403))
                 continue
             try:
+                if self.volume_claim is not None and self.volume_claim(real, self.images):  # a volume's entry
+                    continue
                 found.append((real, self._inspect(real)))
             except SessionError as err:
                 skipped.append(err)
@@ -452,6 +457,8 @@ class Session:
             except OSError as err:
                 raise not_saved(f"the upload {target.name}", folder, err) from None
         try:
+            if self.volume_claim is not None and self.volume_claim(target, self.images):  # a volume's entry
+                return []
             inspected = self._inspect(target)
             with self.lock:
                 ids, refused = self._admit([(target, inspected)])

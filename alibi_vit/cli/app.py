@@ -50,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory for cached features (default %(default)g GB, which keeps the server under "
                              "2.5 GB; a 1024² grey image takes 0.12 GB of classical features with the default "
                              "filter set; an image needing more than half the cache is featurised tile by tile)")
+    parser.add_argument("--slice-folders", action="store_true",
+                        help="each folder given is one volume of numbered slice files (TIFF, PNG, BMP), shown as "
+                             "one entry with XY, XZ and YZ views; multi-page TIFF stacks and zarr with a z axis are "
+                             "volumes without it")
     _add_backbone_arguments(parser, several=False)
     parser.add_argument("--seed", type=int, default=0, help="seed of a randomly initialised backbone")
 
@@ -99,9 +103,17 @@ def _serve(args, backbone_kwargs: dict, max_pixels: int) -> int:
     from ..app.engine import Engine
     from ..app.server import create_app
     from ..app.session import Session
+    from ..app.volume import Volumes
 
-    session = Session(args.session, args.sources, allowed_roots=[args.out] if args.out is not None else [],
-                      max_pixels=max_pixels)
+    from ..chunked import is_zarr_path
+
+    volumes = Volumes(args.session, max_pixels)  # a volume given opens as one entry (the volume mode), not as pages
+    slice_folders = [Path(s) for s in args.sources if args.slice_folders and Path(s).is_dir() and not is_zarr_path(s)]
+    for folder in slice_folders:
+        volumes.claim(folder, slice_folder=True)
+    session = Session(args.session, [s for s in args.sources if Path(s) not in slice_folders],
+                      allowed_roots=([args.out] if args.out is not None else []) + slice_folders,
+                      max_pixels=max_pixels, volume_claim=volumes.claim)
     for reason in session.skipped:
         print(f"alibi-vit app: warning: {reason}", file=sys.stderr, flush=True)
     token = args.token or (None if args.host in LOCAL_HOSTS else secrets.token_urlsafe(24))
@@ -110,7 +122,7 @@ def _serve(args, backbone_kwargs: dict, max_pixels: int) -> int:
     sock = _listening_socket(args.host, args.port)
     port = sock.getsockname()[1]
     hosts = None if token else {f"{h}:{port}" for h in ("127.0.0.1", "localhost", "[::1]")}
-    app = create_app(session, engine, token=token, max_upload_mb=args.max_upload_mb, hosts=hosts)
+    app = create_app(session, engine, token=token, max_upload_mb=args.max_upload_mb, hosts=hosts, volumes=volumes)
     shown = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))

@@ -242,7 +242,8 @@ class VolumeSegmenter(TrainableSegmenter):
             src = self.source(image)
             if not 0 <= index < src.shape[axis]:
                 raise IndexError(f"slice {index} of axis {axis} is outside the volume's {src.shape[axis]}")
-            grid = self.tile_grid(src)
+            # Blocks one plane thick along the axis: only the plane's halo is read and filtered there.
+            grid = TileGrid(src.shape, [1 if a == axis else self.tile for a in range(3)], self.halo_of(src))
             region = [slice(None)] * 3
             region[axis] = slice(index, index + 1)
             shape = tuple(n for a, n in enumerate(src.shape) if a != axis)

@@ -154,6 +154,7 @@
     get overlayShown() { return S.overlayShown; },
     get labelsVersion() { return S.labelsVersion; },
     get overlayStale() { return !$("overlay-stale").hidden; },
+    renderFractions: (p) => renderFractions(p),   // the volume mode's slice fractions (volume.js)
   };
 
   const imageById = (id) => (S.state ? S.state.images.find((im) => im.id === id) : undefined);
@@ -629,7 +630,7 @@
   function renderImages() {
     const list = $("image-list");
     const images = S.state.images;
-    $("no-images").hidden = images.length > 0;
+    $("no-images").hidden = images.length > 0 || (S.state.volumes || []).length > 0;
     const rows = new Map([...list.children].map((li) => [li.dataset.id, li]));
     images.forEach((im, i) => {
       let li = rows.get(im.id);
