@@ -122,13 +122,6 @@ class StatePoller:
         return self.times
 
 
-def machine_name() -> str:
-    """The machine, as the app benchmarks' reports name it."""
-    if (os.cpu_count() or 0) <= 2:
-        return f"2-core CPU, no GPU ({cpu_name()}, {os.cpu_count()} CPUs)"
-    return f"{os.cpu_count()}-core CPU ({cpu_name()})"
-
-
 def peak_rss_gb(pid: int) -> float | None:
     """The process's peak resident memory so far (Linux VmHWM), in GB."""
     try:
