@@ -122,6 +122,24 @@ class StatePoller:
         return self.times
 
 
+def goal_report(script: str, args, measured: dict, targets: dict, result: dict) -> tuple[dict, dict]:
+    """The JSON payload of an app benchmark measured against its goals, and the environment.
+
+    A goal whose figure is missing (None) has no verdict; ``payload["meets_target"]`` feeds
+    :func:`verdict_word`."""
+    env = environment()
+    meta = {"command": command_line(script, args.argv), "machine": machine_name(), "cpu": cpu_name(),
+            "cpu_count": os.cpu_count(), **env}
+    verdict = {k: (None if v is None else v <= targets[k]) for k, v in measured.items()}
+    return {"meta": meta, "targets": targets, "measured": measured, "meets_target": verdict, "result": result}, env
+
+
+def verdict_word(payload: dict, goal: str) -> str:
+    """'meets it', 'misses it', or '' where the goal was not measured."""
+    met = payload["meets_target"][goal]
+    return "" if met is None else ("meets it" if met else "misses it")
+
+
 def peak_rss_gb(pid: int) -> float | None:
     """The process's peak resident memory so far (Linux VmHWM), in GB."""
     try:

@@ -35,8 +35,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from app_driver import (Server, draw, launch_chromium, strokes_inside, to_screen, wait_idle,  # noqa: E402
                         wait_timing)
-from bench_app import cpu_name, machine_name, peak_rss_gb, run_and_report  # noqa: E402
-from report import command_line, environment, write_report  # noqa: E402
+from bench_app import goal_report, peak_rss_gb, run_and_report, verdict_word  # noqa: E402
+from report import write_report  # noqa: E402
 
 TARGETS = {"train_to_overlay_s": 3.0, "open_big_s": 3.0, "server_peak_rss_gb": 2.5}
 CLASSES = ("matrix", "speckle", "stripes")
@@ -189,15 +189,11 @@ def run(args) -> dict:
 
 
 def report(result: dict, args) -> tuple[Path, Path]:
-    machine = machine_name()
-    command = command_line("bench_app_bigimage.py", args.argv)
-    env = environment()
     measured = {"train_to_overlay_s": result["train"]["ms"] / 1000, "open_big_s": result["open_big"]["ms"] / 1000,
                 "server_peak_rss_gb": result["server_peak_rss_gb"]}
-    verdict = {k: (None if v is None else v <= TARGETS[k]) for k, v in measured.items()}
-    payload = {"meta": {"command": command, "machine": machine, "cpu": cpu_name(), "cpu_count": os.cpu_count(), **env},
-               "targets": TARGETS, "measured": measured, "meets_target": verdict, "result": result}
-    ok = lambda k: "" if verdict[k] is None else ("meets it" if verdict[k] else "misses it")  # noqa: E731
+    payload, env = goal_report("bench_app_bigimage.py", args, measured, TARGETS, result)
+    machine, command = payload["meta"]["machine"], payload["meta"]["command"]
+    ok = lambda k: verdict_word(payload, k)  # noqa: E731
     s, b = args.train_size, args.big
     t, tb, load = result["train"], result["train_big"], result["load_average"]
     cache = "the default `--cache-gb`" if args.cache_gb is None else f"`--cache-gb {args.cache_gb:g}`"

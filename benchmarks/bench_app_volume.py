@@ -35,8 +35,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from app_driver import (Server, canvas_pixels, draw_on_slice, launch_chromium, strokes_inside,  # noqa: E402
                         wait_timing)
-from bench_app import cpu_name, machine_name, peak_rss_gb, run_and_report  # noqa: E402
-from report import command_line, environment, write_report  # noqa: E402
+from bench_app import goal_report, peak_rss_gb, run_and_report, verdict_word  # noqa: E402
+from report import write_report  # noqa: E402
 
 TARGETS = {"open_s": 3.0, "slice_change_ms": 200.0, "train_to_overlay_s": 5.0}
 STEPS = 8  # slice changes timed per view
@@ -163,17 +163,13 @@ def run(args) -> dict:
 
 
 def report(result: dict, args) -> tuple[Path, Path]:
-    machine = machine_name()
-    command = command_line("bench_app_volume.py", args.argv)
-    env = environment()
     steps = {view: [r["ms"] for r in result[f"slices_{view}"]] for view in ("xy", "yz", "xz", "xz_trained")}
     every = [ms for view in ("xy", "yz", "xz") for ms in steps[view]]
     measured = {"open_s": result["open"]["ms"] / 1000, "slice_change_ms": float(np.median(every)),
                 "train_to_overlay_s": result["train"]["ms"] / 1000}
-    verdict = {k: v <= TARGETS[k] for k, v in measured.items()}
-    payload = {"meta": {"command": command, "machine": machine, "cpu": cpu_name(), "cpu_count": os.cpu_count(), **env},
-               "targets": TARGETS, "measured": measured, "meets_target": verdict, "result": result}
-    ok = lambda k: "meets it" if verdict[k] else "misses it"  # noqa: E731
+    payload, env = goal_report("bench_app_volume.py", args, measured, TARGETS, result)
+    machine, command = payload["meta"]["machine"], payload["meta"]["command"]
+    ok = lambda k: verdict_word(payload, k)  # noqa: E731
     n, load, model = result["size"], result["load_average"], result["model"]
     spread = "; ".join(f"{v.upper().replace('_TRAINED', ' with a model')} median {np.median(ms):.0f}, max {max(ms):.0f}"
                        for v, ms in steps.items())
