@@ -850,3 +850,11 @@ def test_scheduler_drops_work_nobody_waits_for_and_background_work_gives_way():
         assert "abandoned ran" not in events
     finally:
         scheduler.close()
+
+
+def test_ids_of_images_and_volumes_are_safe_and_numbered_past_those_taken():
+    from alibi_vit.app.session import unique_id
+
+    assert unique_id("grain map", {"grain_map", "grain_map_2"}) == "grain_map_3"
+    assert unique_id("..", set()) == "image"
+    assert unique_id("..", {"volume"}, fallback="volume") == "volume_2"

@@ -424,8 +424,6 @@ def add_volume_routes(app: FastAPI, session: Session, engine: Engine, volumes: V
     """The volume mode's API (:mod:`~alibi_vit.app.volume`; API.md "Volumes"): slices of a volume in
     each view, their labels and predictions, strokes on a slice, Train and Save. Compute runs on the
     engine's worker, after the 2D Train and predictions already queued at the same priority."""
-    from types import SimpleNamespace
-
     async def on_worker(request: Request, key, fn):
         return await outcome(request, engine, engine.scheduler.submit(key, fn, NOW))
 
@@ -453,8 +451,7 @@ def add_volume_routes(app: FastAPI, session: Session, engine: Engine, volumes: V
     @app.post("/api/volumes/{volume_id}/strokes")
     def volume_stroke(volume_id: str, body: VolumeStrokeBody):
         axis, index = volumes.check_slice(volume_id, body.view, body.index)
-        plane = SimpleNamespace(shape=volumes.entry(volume_id).plane_shape(axis))  # the checks need its size only
-        stroke = session._check_stroke(plane, body.cls, body.radius, [list(p) for p in body.points], body.erase)
+        stroke = session.check_stroke(volumes.entry(volume_id).plane_shape(axis), body.cls, body.radius, [list(p) for p in body.points], body.erase)
         return label_answer(volume_id, volumes.add_stroke(volume_id, body.view, index, stroke))
 
     @app.post("/api/volumes/{volume_id}/undo")

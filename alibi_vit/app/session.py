@@ -200,6 +200,17 @@ def _check_number(value, what: str) -> float:
     return float(value)
 
 
+
+def unique_id(stem: str, taken, fallback: str = "image") -> str:
+    """An id made of ``stem``'s safe characters (``fallback`` if none), numbered ``_2``, ``_3``, …
+    until it is not in ``taken``."""
+    base = re.sub(r"[^A-Za-z0-9_.-]", "_", stem).strip(".") or fallback
+    candidate, n = base, 2
+    while candidate in taken:
+        candidate, n = f"{base}_{n}", n + 1
+    return candidate
+
+
 class Session:
     """The state of one app session, mirrored to its folder on every change (thread-safe).
 
@@ -321,13 +332,6 @@ class Session:
             raise SessionError(f"{path} is outside the folders this app was started with", status=403)
         return path
 
-    def _unique_id(self, stem: str, taken) -> str:
-        base = re.sub(r"[^A-Za-z0-9_.-]", "_", stem).strip(".") or "image"
-        candidate, n = base, 2
-        while candidate in taken:
-            candidate, n = f"{base}_{n}", n + 1
-        return candidate
-
     def _inspect(self, path: Path) -> tuple[list[tuple[tuple, str]], bool]:
         """([(shape, pixel kind)] of each image in a file, whether it is read chunk by chunk): a file
         read whole is read in full (an unreadable one fails here), a big one only opened."""
@@ -371,7 +375,7 @@ class Session:
                 continue
             for i, (shape, page_kind) in enumerate(pages):
                 stem = image_stem(path) if len(pages) == 1 else f"{image_stem(path)}_z{i:03d}"
-                entry = ImageEntry(self._unique_id(stem, {**self.images, **entries}), path,
+                entry = ImageEntry(unique_id(stem, {**self.images, **entries}), path,
                                    None if len(pages) == 1 else i, shape, page_kind, chunked)
                 entries[entry.id] = entry
         if entries:
@@ -610,7 +614,9 @@ class Session:
                 cached = self._counts[image_id] = (entry.version, {str(v): int(n) for v, n in enumerate(counts) if v and n})
             return cached[1]
 
-    def _check_stroke(self, entry: ImageEntry, cls, radius, points, erase: bool) -> dict:
+    def check_stroke(self, shape, cls, radius, points, erase: bool) -> dict:
+        """A stroke's request checked against the session's classes and the limits, on a plane of
+        ``shape`` ((H, W, …): an image, or a volume's slice); the stroke as stored."""
         if not erase:
             if isinstance(cls, bool) or not isinstance(cls, int) or not any(c["value"] == cls for c in self.classes):
                 raise SessionError(f"no class {cls!r}: add the class first (or draw with the eraser)")
@@ -626,7 +632,7 @@ class Session:
         pts = np.array([[_check_number(v, "a point coordinate") for v in p] for p in points], np.float64)
         if not np.isfinite(pts).all() or np.abs(pts).max() > MAX_COORDINATE:
             raise SessionError(f"stroke points must be finite pixel coordinates within ±{MAX_COORDINATE:,.0f}")
-        work = stroke_work(entry.shape[:2], pts, radius)
+        work = stroke_work(shape[:2], pts, radius)
         if work > MAX_STROKE_WORK:
             raise SessionError(f"this stroke ({len(pts)} points of radius {radius:g}) is too large to paint at once "
                                f"({work / 1e6:.0f} M pixel tests, at most {MAX_STROKE_WORK / 1e6:.0f} M): split it "
@@ -637,7 +643,7 @@ class Session:
     def add_stroke(self, image_id: str, cls, radius, points, erase: bool = False) -> int:
         entry = self.entry(image_id)
         self.label_image(image_id)  # the image's shape is known from here on
-        stroke = self._check_stroke(entry, cls, radius, points, erase)
+        stroke = self.check_stroke(entry.shape, cls, radius, points, erase)
         # Rasterised outside the lock (a long stroke does not hold up other requests); painting
         # the footprint does not depend on the labels, so strokes arriving meanwhile commute with it.
         footprint = stroke_footprint(entry.shape[:2], stroke["points"], stroke["radius"])

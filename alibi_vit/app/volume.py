@@ -27,7 +27,6 @@ worker (:mod:`~alibi_vit.app.scheduler`), so it never competes with the 2D image
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import threading
 from collections import OrderedDict
@@ -38,7 +37,7 @@ import numpy as np
 
 from .errors import SessionError
 from .imagefiles import DEFAULT_MAX_PIXELS
-from .session import not_saved, png_bytes, remember, stroke_footprint, write_atomic
+from .session import not_saved, png_bytes, remember, stroke_footprint, unique_id, write_atomic
 from .volume_labels import SparseVolumeLabels
 
 __all__ = ["AXES", "VolumeEntry", "Volumes", "is_volume_path"]
@@ -166,10 +165,7 @@ class Volumes:
                 raise SessionError(f"{path.name} is a volume of {nx}×{ny}×{nz} voxels whose largest slice has "
                                    f"{max(ny * nx, nz * nx, nz * ny) / 1e6:.1f} Mpx, over the app's limit of "
                                    f"{self.max_pixels / 1e6:.1f} Mpx per image (--max-megapixels)", status=413)
-            base = re.sub(r"[^A-Za-z0-9_.-]", "_", image_stem(path)).strip(".") or "volume"
-            volume_id, n = base, 2
-            while volume_id in self.volumes or volume_id in taken:
-                volume_id, n = f"{base}_{n}", n + 1
+            volume_id = unique_id(image_stem(path), {*self.volumes, *taken}, fallback="volume")
             entry = VolumeEntry(volume_id, path, tuple(int(n) for n in image.volume_shape))
             volumes = {**self.volumes, volume_id: entry}
             self._save(volumes)
