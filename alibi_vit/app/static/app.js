@@ -155,6 +155,10 @@
     get labelsVersion() { return S.labelsVersion; },
     get overlayStale() { return !$("overlay-stale").hidden; },
     renderFractions: (p) => renderFractions(p),   // the volume mode's slice fractions (volume.js)
+    // For the volume mode (volume.js): the same requests (token, errors as ApiError) and status line.
+    request: (method, path, json, signal) => request(method, path, { json, signal }),
+    aborted: (err) => err instanceof ApiError && err.status === ABORTED,
+    status: (text, kind) => status(text, kind),
   };
 
   const imageById = (id) => (S.state ? S.state.images.find((im) => im.id === id) : undefined);

@@ -6,7 +6,6 @@
 
 (() => {
   const $ = (id) => document.getElementById(id);
-  const TOKEN = new URLSearchParams(location.search).get("token");
   const VIEWS = ["xy", "xz", "yz"];
   const ACROSS = { xy: "z", xz: "y", yz: "x" };        // the axis a view's slices are taken across
   const LIST_POLL_MS = 400;
@@ -45,27 +44,9 @@
     window.appTimings.push({ event, ms: Math.round(ms), ...extra });
   }
 
-  function status(text, kind = "") {
-    const el = $("status");
-    el.textContent = text;
-    el.className = kind;
-  }
-
-  async function send(method, path, json, signal) {
-    const headers = {};
-    if (TOKEN) headers["X-Token"] = TOKEN;
-    if (json !== undefined) headers["Content-Type"] = "application/json";
-    const res = await fetch(path, { method, headers, signal, credentials: "same-origin",
-      body: json === undefined ? undefined : JSON.stringify(json) });
-    if (!res.ok) {
-      let detail = `${res.status} ${res.statusText}`;
-      try { detail = (await res.json()).detail || detail; } catch (_) { /* not JSON */ }
-      const err = new Error(detail);
-      err.status = res.status;
-      throw err;
-    }
-    return res;
-  }
+  // Requests and the status line are the image page's (app.js): one token header, one error form.
+  const status = (text, kind = "") => window.app.status(text, kind);
+  const send = (method, path, json, signal) => window.app.request(method, path, json, signal);
 
   async function bitmap(path, signal) {
     const res = await send("GET", path, undefined, signal);
@@ -166,7 +147,7 @@
     try {
       answer = await bitmap(slicePath("prediction", view, index), abort.signal);
     } catch (err) {
-      if (err.name !== "AbortError" && seq === V.seq) status(`overlay not shown: ${err.message}`, "error");
+      if (!window.app.aborted(err) && seq === V.seq) status(`overlay not shown: ${err.message}`, "error");
       return;
     }
     if (seq !== V.seq) return;
