@@ -71,9 +71,10 @@ bitwise deterministic for a given block configuration:
    query tiles, recomputing ``P = exp2(s - lse)``; ``dV += Pᵀ dO``, ``dS = P ∘ (dP - Δ)``
    with ``dP = dO Vᵀ``, ``dK += dSᵀ Q · scale``. When the slope needs a gradient it also
    accumulates ``Σ_i dS_ij·B_ij`` per key token into a (B, heads, N) buffer; torch sums that
-   to ``dL/dm_h = Σ_ij dS_ij·B_ij``. Across its loop each thread carries its own partial sums
-   (8 per key row, :func:`_add_row_products`: one FFMA per element, no shuffles) and reduces
-   them across threads once, after the loop.
+   to ``dL/dm_h = Σ_ij dS_ij·B_ij``. With the table bias, each thread carries its own partial
+   sums across the loop (8 per key row, :func:`_add_row_products`: one FFMA per element, no
+   shuffles) and reduces them across threads once, after it; the sqrt backward sums each tile's
+   rows instead (on an H100 the partials made it 1.4× slower, the table backward 1.5% faster).
 3. dQ kernel: a program keeps one query tile and loops over key tiles: ``dQ += dS K · scale``.
    Skipped entirely when q needs no gradient.
 
@@ -659,7 +660,10 @@ def _dkdv_loop(dk, dv, dsl, k, v, ka, kb, ku, offs_n, Q, DO, DQ, LSE, Delta, Cod
         if COMPUTE_DSLOPE and HAS_BIAS:  # here, so the bias tile is not live across the dK (and dQ) products
             if TABLE == 1:  # dL/dm needs B itself: gather it from the unscaled table (TABLE == 2 gathered it)
                 bias_t = _bias_tile(qa, qb, ku, kb, Tbl, h, w, TABLE, WRAP, True)
-            dsl = _add_row_products(dsl, dst, bias_t)
+            if TABLE:  # partials per thread (see _add_row_products); the sqrt backward keeps one sum per row
+                dsl = _add_row_products(dsl, dst, bias_t)
+            else:
+                dsl += tl.sum(dst * bias_t, 1)
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), acc=dk, input_precision=DOT_PREC)
         if ATOMIC_DQ:  # this key tile's share of dQ (unscaled), added into the fp32 buffer in any order
             if BLOCK_M < 64:
@@ -721,7 +725,10 @@ def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, LSE, Delta, DSL, Slopes, Cod
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dsl = tl.zeros([BLOCK_N, ROW_PARTIALS], dtype=tl.float32)
+    if TABLE:
+        dsl = tl.zeros([BLOCK_N, ROW_PARTIALS], dtype=tl.float32)
+    else:
+        dsl = tl.zeros([BLOCK_N], dtype=tl.float32)
     # One loop for every program, the last partial key tile's included: keys past N were loaded as
     # zeros and their rows of dK, dV and the slope partials are never stored, so only the atomic dQ
     # (which sums over keys) masks their probabilities. (Two copies of the loop, one masked, made
@@ -735,7 +742,9 @@ def _alibi_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ, LSE, Delta, DSL, Slopes, Cod
     tl.store(DV + g_off, dv.to(DV.dtype.element_ty), mask=mask_n[:, None])
     if COMPUTE_DSLOPE:
         # Per-key partial sums of dS·B; summed over keys and batch in torch (deterministic).
-        tl.store(DSL + offs_n, tl.sum(dsl, 1) * bias_norm, mask=mask_n)
+        if TABLE:
+            dsl = tl.sum(dsl, 1)
+        tl.store(DSL + offs_n, dsl * bias_norm, mask=mask_n)
 
 
 @triton.jit
@@ -1159,10 +1168,11 @@ def backward_bias(mode: str = "auto"):
 def backward_uses_table(q, use_table, metric, atomic):
     """Whether the backward gathers the bias from the difference table (else: per-element sqrt). By default
     ("auto") the atomic-dQ backward on a GPU computes it per element whatever the forward did: on an H100
-    (bf16, head_dim 64, ViT-B at 518 and 1022 px) that made forward+backward 8-17% faster for every slope
-    kind, because the backward's gathers saturate L1 (74% of its throughput in the dK/dV kernel) while the
-    forward, whose gathers leave room, is 9-27% faster with the table. Elsewhere nothing was timed, so the
-    backward keeps the forward's mode. The Manhattan metric always gathers."""
+    (bf16, head_dim 64, ViT-B at 518 and 1022 px) that made forward+backward 9-17% faster with constant and
+    per-head slopes and 17% faster with learned ones, because the backward's gathers saturate L1 (74% of its
+    throughput in the dK/dV kernel) while the forward, whose gathers leave room, is 9-27% faster with the
+    table. Elsewhere nothing was timed, so the backward keeps the forward's mode. The Manhattan metric
+    always gathers."""
     if metric != "euclidean" or _BWD_BIAS == "same":
         return use_table
     if _BWD_BIAS == "auto":
