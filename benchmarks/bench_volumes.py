@@ -25,7 +25,9 @@ voxels matrix, which gave the 5-19 pp fraction errors of earlier results.)
 filter set) trained on the 3 labelled slices and applied to every slice, the behaviour of
 ``--features 2d``. Both use the default classifier. "3d dense": the 3D segmenter trained on the
 same 3 slices labelled completely (every voxel), to tell the scribbles' sparsity from the
-features' limits. Scores against the truth over every voxel: mean IoU over the three phases, and
+features' limits. "ideal threshold": no classifier, each voxel of the noise-free blurred volume given the
+phase of the nearest grey value, which shows what the blur alone does to a hard mask (the partial-volume
+floor of a segmenter that is not taught where blurred boundaries lie). Scores against the truth over every voxel: mean IoU over the three phases, and
 per phase the volume fraction's error in percentage points; to say where that error comes from,
 the confusion matrix and the signed error split between the boundary band (voxels within 2 voxels
 of another phase, where the blur mixes phases; strokes keep away from it) and the rest.
@@ -63,7 +65,6 @@ BOUNDARY_REACH = 2  # voxels: the band where the blur (σ 1.5) mixes neighbourin
 def microstructure(n: int = BASE, seed: int = 0, noise: float = NOISE) -> tuple[np.ndarray, np.ndarray]:
     """(uint16 volume, uint8 truth 1|2|3) of side ``n`` (see the module docstring)."""
     import porespy as ps
-    from scipy import ndimage as ndi
 
     base = min(n, BASE)
     pores = ps.generators.blobs([base] * 3, porosity=0.35, blobiness=1.5, seed=seed)
@@ -73,13 +74,30 @@ def microstructure(n: int = BASE, seed: int = 0, noise: float = NOISE) -> tuple[
     truth[pores] = 1
     reps = -(-n // base)
     truth = np.tile(truth, (reps,) * 3)[:n, :n, :n]
-    grey = np.zeros(truth.shape, np.float32)
-    for c, g in GREY.items():
-        grey[truth == c] = g
-    grey = ndi.gaussian_filter(grey, BLUR, mode="wrap")
+    grey = blurred(truth)
     grey += np.random.default_rng(seed).standard_normal(grey.shape, dtype=np.float32) * noise
     volume = np.clip((grey + 0.5) * 20000, 0, 65535).astype(np.uint16)
     return volume, truth
+
+
+def blurred(truth: np.ndarray) -> np.ndarray:
+    """The noise-free image: each phase's grey value, blurred by the point spread (float32)."""
+    from scipy import ndimage as ndi
+
+    grey = np.zeros(truth.shape, np.float32)
+    for c, g in GREY.items():
+        grey[truth == c] = g
+    return ndi.gaussian_filter(grey, BLUR, mode="wrap")
+
+
+def ideal_threshold(truth: np.ndarray) -> np.ndarray:
+    """Each voxel of the noise-free blurred image given the phase whose grey value is nearest: what a
+    perfect intensity classifier makes of the blur alone, the partial-volume floor of any hard mask that
+    is not taught where the blurred boundaries lie."""
+    grey = blurred(truth)
+    values = np.array(list(GREY.values()), np.float32)
+    nearest = np.abs(grey[..., None] - values).argmin(-1)
+    return np.array(list(GREY), np.uint8)[nearest]
 
 
 def label_slices(n: int) -> list[int]:
@@ -157,6 +175,7 @@ def accuracy(size: int, seed: int = 0, noise: float = NOISE, backbone: str | Non
     t = time.perf_counter()
     pred = VolumeSegmenter(seed=seed).fit(volume, dense).predict([volume])[0]
     rows["3d dense"] = {**scores(pred, truth, near), "seconds": round(time.perf_counter() - t, 1)}
+    rows["ideal threshold"] = scores(ideal_threshold(truth), truth, near)
     t = time.perf_counter()
     seg2 = TrainableSegmenter(seed=seed).fit([volume[z] for z in zs], [labels[z] for z in zs])
     fit2 = time.perf_counter() - t
@@ -234,7 +253,7 @@ def report(folder: Path, stem: str = "volumes_cpu") -> None:
              "inclusion | fit (s) | predict (s) | load |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for acc in accs:
-        for kind in ["3d", "2d"] + [k for k in acc if k.startswith("3d ") or k.startswith("3d+vit")]:
+        for kind in ["3d", "2d"] + [k for k in acc if k.startswith(("3d ", "3d+vit", "ideal"))]:
             r = acc[kind]
             errs = " / ".join(f"{r['fraction_error_pp'][p]:.2f}" for p in PHASES.values())
             lines.append(f"| {acc['size']}³ | {acc['noise']} | {acc['seed']} | {acc['labelled_voxels']} | {kind} | "
@@ -254,7 +273,9 @@ def report(folder: Path, stem: str = "volumes_cpu") -> None:
         if "signed_fraction_error_pp_boundary" not in a["3d"]:
             continue
         per_phase = " / ".join(str(a["labelled_voxels_per_phase"][p]) for p in PHASES.values())
-        for kind in ("3d", "2d", "3d dense"):
+        for kind in ("3d", "2d", "3d dense", "ideal threshold"):
+            if kind not in a:
+                continue
             r = a[kind]
             band, beyond = (" / ".join(f"{r[f'signed_fraction_error_pp_{b}'][p]:+.2f}" for p in PHASES.values())
                             for b in ("boundary", "interior"))

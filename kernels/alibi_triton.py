@@ -1168,8 +1168,8 @@ def backward_bias(mode: str = "auto"):
 def backward_uses_table(q, use_table, metric, atomic):
     """Whether the backward gathers the bias from the difference table (else: per-element sqrt). By default
     ("auto") the atomic-dQ backward on a GPU computes it per element whatever the forward did: on an H100
-    (bf16, head_dim 64, ViT-B at 518 and 1022 px) that made forward+backward 9-17% faster with constant and
-    per-head slopes and 17% faster with learned ones, because the backward's gathers saturate L1 (74% of its
+    (bf16, head_dim 64, ViT-B at 518 and 1022 px) that made forward+backward 8-17% faster for every slope
+    kind (re-timed in a second session), because the backward's gathers saturate L1 (74% of its
     throughput in the dK/dV kernel) while the forward, whose gathers leave room, is 9-27% faster with the
     table. Elsewhere nothing was timed, so the backward keeps the forward's mode. The Manhattan metric
     always gathers."""
