@@ -257,7 +257,7 @@ def report(folder: Path, stem: str = "volumes_cpu") -> None:
             r = acc[kind]
             errs = " / ".join(f"{r['fraction_error_pp'][p]:.2f}" for p in PHASES.values())
             lines.append(f"| {acc['size']}³ | {acc['noise']} | {acc['seed']} | {acc['labelled_voxels']} | {kind} | "
-                         f"{r['miou']:.4f} | {errs} | {r.get('fit_seconds', '–')} | {r.get('predict_seconds', r.get('seconds'))} | "
+                         f"{r['miou']:.4f} | {errs} | {r.get('fit_seconds', '–')} | {r.get('predict_seconds', r.get('seconds', '–'))} | "
                          f"{acc['load_before'][0]} → {acc['load_after'][0]} |")
     lines += [""] + [f"- {a['size']}³, noise σ {a['noise']}, seed {a['seed']}: 3D − 2D = "
                      f"{a['miou_gain_3d_over_2d']:+.4f} mIoU; true volume fractions (pore, matrix, inclusion) "

@@ -37,6 +37,20 @@ def test_boundary_band_is_the_voxels_within_reach_of_another_phase():
     np.testing.assert_array_equal(bench.near_boundary(truth, 1)[0, 0], [0, 0, 0, 1, 1, 0, 0, 0])
 
 
+def test_ideal_threshold_keeps_flat_boundaries_and_shrinks_small_grains():
+    """The blur is symmetric across a flat boundary, so the nearest-grey rule puts it back where it was; a
+    small ball's blurred grey falls below the midpoint at its rim, so the rule loses part of it."""
+    flat = np.full((8, 8, 16), 2, np.uint8)
+    flat[..., 8:] = 3  # matrix | inclusion; wrap mode makes x = 0 | 15 a second flat boundary
+    np.testing.assert_array_equal(bench.ideal_threshold(flat), flat)
+    ball = np.full((24, 24, 24), 2, np.uint8)
+    z, y, x = np.mgrid[:24, :24, :24] - 12
+    ball[z * z + y * y + x * x <= 4 * 4] = 3
+    kept = (bench.ideal_threshold(ball) == 3).sum()
+    assert 0 < kept < (ball == 3).sum()
+    assert (bench.ideal_threshold(ball)[ball == 2] == 2).all()  # nothing outside the ball is called inclusion
+
+
 def test_scribbles_lie_on_three_xy_slices_and_agree_with_the_truth():
     truth = np.ones((12, 40, 40), np.uint8)
     truth[:, :, 20:] = 2
