@@ -39,7 +39,7 @@ per-element sqrt or to the table gather, whatever the default picks),
 ``triton-nobias`` (the same fused kernels with the bias compiled out: the like-for-like ceiling),
 ``flex`` (FlexAttention with the sqrt score_mod) and ``flex-table`` (with the difference-table
 gather score_mod), both compiled with ``mode="max-autotune-no-cudagraphs"`` so they are tuned like
-the autotuned Triton kernels, ``flex-flash`` (the sqrt score_mod on flex's FLASH backend, where the
+the autotuned Triton kernels (``--flex-mode default``: without autotuning), ``flex-flash`` (the sqrt score_mod on flex's FLASH backend, where the
 installed torch and flash-attn-4 have it), ``flex-nobias`` (flex without score_mod), ``sdpa-bias``
 (SDPA with the materialised (N, N) bias), ``sdpa-nobias`` (SDPA without bias), each SDPA also
 pinned to one kernel (``sdpa-nobias-flash``, ``-cudnn``, ``-efficient``; ``sdpa-bias-cudnn``,
@@ -112,6 +112,10 @@ def parse_args(argv=None):
     p.add_argument("--rep", type=float, default=100, help="do_bench measurement per round, ms")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the backends")
     p.add_argument("--no-cudagraph", action="store_true", help="skip the CUDA-graph timing")
+    p.add_argument("--flex-mode", choices=FLEX_COMPILE_MODES, default=FLEX_COMPILE_MODES[0],
+                   help="torch.compile mode of the flex backends (default: %(default)s; on an H100 one "
+                        "autotuning step of the learned-slope backward took 191 s, so `default` is how those "
+                        "rows fit a 10-minute command)")
     p.add_argument("--out-dir", type=Path, default=None,
                    help="where the .md and .json go (default: benchmarks/results/, smoke runs: benchmarks/results/smoke/)")
     p.add_argument("--tag", default=None, help="appended to the results' name: attention_<device>_<tag>.{md,json}")
@@ -130,13 +134,16 @@ def alibi_slopes(heads):
 _FLEX = {}
 
 
-def _flex_compiled(variant, compile=True):
-    """flex_attention as the benchmark runs it, compiled with its own autotuning (eagerly on a smoke run's
-    CPU): "bias" (the sqrt score_mod), "table" (the difference-table score_mod), "flash" (the sqrt score_mod on
+FLEX_COMPILE_MODES = ("max-autotune-no-cudagraphs", "default")
+
+
+def _flex_compiled(variant, mode=FLEX_COMPILE_MODES[0]):
+    """flex_attention as the benchmark runs it, compiled in ``mode`` (None: eager, as on a smoke run's CPU):
+    "bias" (the sqrt score_mod), "table" (the difference-table score_mod), "flash" (the sqrt score_mod on
     flex's FLASH backend), "nobias" (no score_mod)."""
     import torch
 
-    if variant not in _FLEX:
+    if (variant, mode) not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
         from kernels.alibi_flex import _alibi_flex, _alibi_flex_table
@@ -150,13 +157,14 @@ def _flex_compiled(variant, compile=True):
             fn = _alibi_flex_table
         else:
             fn = _alibi_flex
-        _FLEX[variant] = torch.compile(fn, dynamic=False, mode="max-autotune-no-cudagraphs") if compile else fn
-    return _FLEX[variant]
+        _FLEX[variant, mode] = torch.compile(fn, dynamic=False, mode=mode) if mode else fn
+    return _FLEX[variant, mode]
 
 
-def backend_fns(names, grid, compile_flex=True):
+def backend_fns(names, grid, flex_mode=FLEX_COMPILE_MODES[0]):
     """name -> f(q, k, v, slopes) for the requested backends (imports lazily: triton reads its env on import).
-    ``slopes`` (heads,) or None is passed per call, so learned slopes receive a gradient."""
+    ``slopes`` (heads,) or None is passed per call, so learned slopes receive a gradient. ``flex_mode``: how
+    the flex backends are compiled (None: eager)."""
     import torch
     import torch.nn.functional as F
 
@@ -176,18 +184,18 @@ def backend_fns(names, grid, compile_flex=True):
 
             def fn(q, k, v, s, _v="flash" if name == "flex-flash" else "bias"):
                 scale = (torch.ones(q.shape[1], device=q.device) if s is None else s.float()) * norm
-                return _flex_compiled(_v, compile_flex)(q, k, v, scale, grid[0], grid[1], PREFIX, True)
+                return _flex_compiled(_v, flex_mode)(q, k, v, scale, grid[0], grid[1], PREFIX, True)
             fns[name] = fn
         elif name == "flex-table":
             from kernels.alibi_flex import table_arguments
 
             def fn(q, k, v, s):
                 scale = torch.ones(q.shape[1], device=q.device) if s is None else s.float()
-                return _flex_compiled("table", compile_flex)(q, k, v, scale,
+                return _flex_compiled("table", flex_mode)(q, k, v, scale,
                                                              *table_arguments(grid, PREFIX, True, True, q.device))
             fns[name] = fn
         elif name == "flex-nobias":
-            fns[name] = lambda q, k, v, s: _flex_compiled("nobias", compile_flex)(q, k, v)
+            fns[name] = lambda q, k, v, s: _flex_compiled("nobias", flex_mode)(q, k, v)
         elif name == "sdpa-bias":
             fns[name] = lambda q, k, v, s: sdpa_alibi_attention(q, k, v, grid, PREFIX, s, True, True)
         elif name == "sdpa-nobias":
@@ -340,7 +348,7 @@ def run(args, progress=lambda rows: None):
             # recompile limit and time flex's unfused eager fallback instead.
             torch._dynamo.reset()
             _FLEX.clear()
-            fns = backend_fns(names, grid, compile_flex=not args.smoke)
+            fns = backend_fns(names, grid, flex_mode=None if args.smoke else args.flex_mode)
             for mode in args.modes:
                 for slope_kind in args.slopes:
                     if slope_kind == "learned" and mode == "fwd":

@@ -24,6 +24,9 @@ Phases, in the order to run them (one command each):
     flex        the fused kernel against FlexAttention (sqrt and table score_mods, and without bias),
                 each compiled with max-autotune, at 518 px (attention_<device>_flex-518.{json,md})
     flex-1022   the same at 1022 px
+    flex-learned  the same with learned slopes at 518 px, flex compiled without autotuning (on an H100 one
+                max-autotune step of flex's learned-slope backward took 191 s: the flex phases time constant and
+                per-head slopes within their limit, never learned ones) (attention_<device>_flex-learned-518.*)
     sass        benchmarks/bench_kernel_sass.py with the machine's Triton (3.6 there): every config,
                 head_dim 64 and 128, bf16, compiled on all CPU cores (kernel_sass_sm90_triton<v>.{json,md})
     all         every phase above in order, for a machine without the 10-minute limit
@@ -68,7 +71,7 @@ FLEX_BACKENDS = ("triton", "flex", "flex-table", "flex-nobias")
 # What the GPU image has and lacks (the env phase reports each).
 OPTIONAL_MODULES = ("pytest", "lightning", "timm", "skimage", "tifffile", "jsonargparse", "fastapi", "uvicorn",
                     "xgboost", "pycocotools", "pydensecrf2", "playwright")
-PHASES = ("env", "tests", "sweep-518", "sweep-1022", "sweep-2072", "flex", "flex-1022", "sass")
+PHASES = ("env", "tests", "sweep-518", "sweep-1022", "sweep-2072", "flex", "flex-1022", "flex-learned", "sass")
 
 
 def parse_args(argv=None):
@@ -290,18 +293,22 @@ def _collected(log_path: Path, shards: int) -> dict:
     return found
 
 
-def sweep_phase(phase, sizes, tag, backends=SWEEP_BACKENDS, smoke_args=("--slopes", "constant", "--modes", "fwd+bwd")):
+def sweep_phase(phase, sizes, tag, backends=SWEEP_BACKENDS, smoke_args=("--slopes", "constant", "--modes", "fwd+bwd"),
+                gpu_args=(), args=()):
     cmd = [python(), "benchmarks/bench_attention.py", "--models", "vit-b", "--sizes", *map(str, sizes), "--repeats",
            "3", "--rep", "50", "--backends", *backends, "--out-dir", phase.dest, "--tag", tag]
-    if phase.smoke:
-        cmd += ["--smoke", *smoke_args]
+    cmd += [*args, *(("--smoke", *smoke_args) if phase.smoke else gpu_args)]
     phase.run(cmd, phase.env(ALIBI_TRITON_AUTOTUNE="0"))
     name = f"attention_{'cpu-smoke' if phase.smoke else phase.device}_{tag}"
     return [phase.dest / f"{name}.json", phase.dest / f"{name}.md"]
 
 
-def flex_phase(phase, size):
+def flex_phase(phase, size, learned=False):
     # On the CPU flex has no backward: the smoke run times forwards only.
+    if learned:  # (learned slopes differ from per-head ones only in the backward, which the smoke run lacks)
+        # (no flex-nobias: bias-free rows come with constant slopes, in the flex phase)
+        return sweep_phase(phase, [size], f"flex-learned-{size}", FLEX_BACKENDS[:-1], ("--slopes", "per-head", "--modes", "fwd"),
+                           ("--slopes", "learned"), ("--flex-mode", "default"))
     return sweep_phase(phase, [size], f"flex-{size}", FLEX_BACKENDS, ("--slopes", "constant", "--modes", "fwd"))
 
 
@@ -327,6 +334,7 @@ RUNNERS = {
     "sweep-2072": lambda phase: sweep_phase(phase, [2072], "2072"),
     "flex": lambda phase: flex_phase(phase, 518),
     "flex-1022": lambda phase: flex_phase(phase, 1022),
+    "flex-learned": lambda phase: flex_phase(phase, 518, learned=True),
     "sass": sass_phase,
 }
 

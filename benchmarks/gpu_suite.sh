@@ -5,7 +5,7 @@
 #     bash benchmarks/gpu_suite.sh env
 #     bash benchmarks/gpu_suite.sh tests
 #     bash benchmarks/gpu_suite.sh sweep-518      # then sweep-1022, sweep-2072
-#     bash benchmarks/gpu_suite.sh flex           # then flex-1022
+#     bash benchmarks/gpu_suite.sh flex           # then flex-1022, flex-learned
 #     bash benchmarks/gpu_suite.sh sass
 #     bash benchmarks/gpu_suite.sh all            # every phase, on a machine without a time limit
 #     bash benchmarks/gpu_suite.sh --smoke PHASE  # a CPU dry run of a phase (interpreter, tiny shapes)

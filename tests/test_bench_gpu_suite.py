@@ -101,7 +101,7 @@ def test_every_test_module_collects_on_the_gpu_image(gpu_image):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("phase,tag", [("sweep-518", "518"), ("flex", "flex-518")])
+@pytest.mark.parametrize("phase,tag", [("sweep-518", "518"), ("flex", "flex-518"), ("flex-learned", "flex-learned-518")])
 def test_benchmark_phases_write_their_rows_as_they_go(gpu_image, phase, tag):
     proc, out, status = _smoke(gpu_image, phase)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
@@ -110,8 +110,11 @@ def test_benchmark_phases_write_their_rows_as_they_go(gpu_image, phase, tag):
     assert report["complete"] and not report["autotune"] and report["rows"]
     assert all(r["status"] == "ok" for r in report["rows"]), [r for r in report["rows"] if r["status"] != "ok"]
     backends = {r["backend"] for r in report["rows"]}
-    assert backends == ({"triton", "flex", "flex-table", "flex-nobias"} if phase == "flex"
-                        else {"triton", "triton-two-kernel", "triton-nobias", "sdpa-bias"})
+    expected = {"sweep-518": {"triton", "triton-two-kernel", "triton-nobias", "sdpa-bias"},
+                "flex": {"triton", "flex", "flex-table", "flex-nobias"}, "flex-learned": {"triton", "flex", "flex-table"}}
+    assert backends == expected[phase]
+    if phase == "flex-learned":  # flex compiled without autotuning (the smoke run's flex is eager anyway)
+        assert "--flex-mode default" in report["command"]
     assert f"attention_cpu-smoke_{tag}.md" in entry["files"]
     assert len(list(out.iterdir())) <= MAX_FILES
 
