@@ -39,8 +39,8 @@ per-element sqrt or to the table gather, whatever the default picks),
 ``triton-nobias`` (the same fused kernels with the bias compiled out: the like-for-like ceiling),
 ``flex`` (FlexAttention with the sqrt score_mod) and ``flex-table`` (with the difference-table
 gather score_mod), both compiled with ``mode="max-autotune-no-cudagraphs"`` so they are tuned like
-the autotuned Triton kernels (``--flex-mode default``: without autotuning), ``flex-flash`` (the sqrt score_mod on flex's FLASH backend, where the
-installed torch and flash-attn-4 have it), ``flex-nobias`` (flex without score_mod), ``sdpa-bias``
+the autotuned Triton kernels (``--flex-mode default``: without autotuning), ``flex-flash`` (the
+sqrt score_mod on flex's FLASH backend, where the installed torch and flash-attn-4 have it), ``flex-nobias`` (flex without score_mod), ``sdpa-bias``
 (SDPA with the materialised (N, N) bias), ``sdpa-nobias`` (SDPA without bias), each SDPA also
 pinned to one kernel (``sdpa-nobias-flash``, ``-cudnn``, ``-efficient``; ``sdpa-bias-cudnn``,
 ``-efficient``), and ``eager`` (explicit softmax, where it fits). A backend the device, dtype or

@@ -25,9 +25,10 @@ voxels matrix, which gave the 5-19 pp fraction errors of earlier results.)
 filter set) trained on the 3 labelled slices and applied to every slice, the behaviour of
 ``--features 2d``. Both use the default classifier. "3d dense": the 3D segmenter trained on the
 same 3 slices labelled completely (every voxel), to tell the scribbles' sparsity from the
-features' limits. "ideal threshold": no classifier, each voxel of the noise-free blurred volume given the
-phase of the nearest grey value, which shows what the blur alone does to a hard mask (the partial-volume
-floor of a segmenter that is not taught where blurred boundaries lie). Scores against the truth over every voxel: mean IoU over the three phases, and
+features' limits. "ideal threshold": no classifier, each voxel of the noise-free blurred volume
+given the phase of the nearest grey value, which shows what the blur alone does to a hard mask (the
+partial-volume floor of a segmenter not taught where blurred boundaries lie). Scores against the
+truth over every voxel: mean IoU over the three phases, and
 per phase the volume fraction's error in percentage points; to say where that error comes from,
 the confusion matrix and the signed error split between the boundary band (voxels within 2 voxels
 of another phase, where the blur mixes phases; strokes keep away from it) and the rest.

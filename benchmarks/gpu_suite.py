@@ -305,8 +305,9 @@ def sweep_phase(phase, sizes, tag, backends=SWEEP_BACKENDS, smoke_args=("--slope
 
 def flex_phase(phase, size, learned=False):
     # On the CPU flex has no backward: the smoke run times forwards only.
-    if learned:  # (learned slopes differ from per-head ones only in the backward, which the smoke run lacks)
-        # (no flex-nobias: bias-free rows come with constant slopes, in the flex phase)
+    if learned:
+        # No flex-nobias: bias-free rows come with constant slopes (the flex phase). The smoke run times
+        # per-head slopes: learned ones differ only in the backward, which it lacks.
         return sweep_phase(phase, [size], f"flex-learned-{size}", FLEX_BACKENDS[:-1], ("--slopes", "per-head", "--modes", "fwd"),
                            ("--slopes", "learned"), ("--flex-mode", "default"))
     return sweep_phase(phase, [size], f"flex-{size}", FLEX_BACKENDS, ("--slopes", "constant", "--modes", "fwd"))
