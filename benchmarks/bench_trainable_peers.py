@@ -165,7 +165,9 @@ def main(argv=None) -> int:
     machine = f"{os.cpu_count()} CPU cores"
     payload = {"command": command, "smoke": args.smoke, **env, "machine": machine, "load_before": os.getloadavg()[0]}
     lines = ["# Trainable segmentation side by side: alibi-vit and scikit-image" + (" (smoke)" if args.smoke else ""),
-             "", f"Command: `{command}`", "", f"Machine: {machine}; torch {env['torch']}; {env['date']}.", ""]
+             "", f"Command: `{command}`", "",
+             f"Machine: {machine}, load average {payload['load_before']:.1f} at the start; torch {env['torch']}; "
+             f"{env['date']}.", ""]
     if not args.no_speed:
         item = load_micrographs("all", names=[args.speed_image])[0]
         if args.smoke:
