@@ -3,6 +3,7 @@
     pip install -e ".[bench]"                                   # porespy, the generator
     python benchmarks/bench_volumes.py accuracy --size 256      # 3D vs 2D: mIoU, volume-fraction error
     python benchmarks/bench_volumes.py accuracy --backbone NAME --checkpoint FILE   # + triplanar ViT, 3 ways
+    python benchmarks/bench_volumes.py strokes --draws 5        # the same volume, other stroke draws
     python benchmarks/bench_volumes.py speed --sizes 256 512    # `segment train/apply`: time, peak RSS
     python benchmarks/bench_volumes.py report                   # → benchmarks/results/volumes_cpu.*
     python benchmarks/bench_volumes.py smoke                    # all of it at a toy size
@@ -32,6 +33,11 @@ truth over every voxel: mean IoU over the three phases, and
 per phase the volume fraction's error in percentage points; to say where that error comes from,
 the confusion matrix and the signed error split between the boundary band (voxels within 2 voxels
 of another phase, where the blur mixes phases; strokes keep away from it) and the rest.
+
+strokes: the volume of ``accuracy`` scribbled again with other seeds (draw d takes the scribble
+generator's seeds 3d, 3d+1, 3d+2 on the 3 slices: draw 0 is ``accuracy``'s strokes for seed 0), 3D
+and 2D trained on each draw; mIoU, 3D − 2D and the volume-fraction errors per draw, to show how much of
+a result is the strokes' chance placement.
 
 speed: ``alibi-vit segment train`` and ``segment apply`` (mask as a TIFF stack) on the volume file
 as subprocesses under ``/usr/bin/time -v``: peak RSS of the process, wall time, CPU time, and the
@@ -195,6 +201,50 @@ def accuracy(size: int, seed: int = 0, noise: float = NOISE, backbone: str | Non
     return rows
 
 
+def stroke_draws(size: int, seed: int = 0, noise: float = NOISE, draws=range(5)) -> dict:
+    """3D and 2D segmenters trained on several stroke draws on the same volume (module docstring)."""
+    from alibi_vit.trainable import TrainableSegmenter, VolumeSegmenter
+
+    volume, truth = microstructure(size, seed, noise)
+    zs = label_slices(size)
+    out = {"size": size, "seed": seed, "noise": noise, "load_before": load_average(), "draws": []}
+    for d in draws:
+        labels = scribble_volume(truth, 3 * d)
+        pred3 = VolumeSegmenter(seed=seed).fit(volume, labels).predict([volume])[0]
+        seg2 = TrainableSegmenter(seed=seed).fit([volume[z] for z in zs], [labels[z] for z in zs])
+        pred2 = np.stack([seg2.predict([s])[0] for s in volume])
+        row = {"draw": d, "labelled_voxels": int((labels > 0).sum()), "3d": scores(pred3, truth), "2d": scores(pred2, truth)}
+        row["miou_gain_3d_over_2d"] = round(row["3d"]["miou"] - row["2d"]["miou"], 4)
+        out["draws"].append(row)
+        print(f"draw {d}: 3D {row['3d']['miou']:.4f} ({row['3d']['max_fraction_error_pp']} pp), "
+              f"2D {row['2d']['miou']:.4f} ({row['2d']['max_fraction_error_pp']} pp)", flush=True)
+    out["load_after"] = load_average()
+    return out
+
+
+def _stroke_lines(runs: list[dict]) -> list[str]:
+    if not runs:
+        return []
+    lines = ["", "## Other stroke draws (`strokes`)", "",
+             "The same volumes scribbled again (two strokes per phase on the same 3 slices, other seeds); per draw the "
+             "3D and 2D segmenters' mIoU and the 3D segmenter's volume-fraction errors.", "",
+             "| noise σ | seed | draw | labelled voxels | mIoU 3D | mIoU 2D | 3D − 2D | 3D fraction error (pp): pore / "
+             "matrix / inclusion, signed |", "|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        for r in run["draws"]:
+            signed = " / ".join(f"{100 * (p - t):+.2f}" for t, p in r["3d"]["fraction_true_pred"].values())
+            lines.append(f"| {run['noise']} | {run['seed']} | {r['draw']} | {r['labelled_voxels']} | "
+                         f"{r['3d']['miou']:.4f} | {r['2d']['miou']:.4f} | {r['miou_gain_3d_over_2d']:+.4f} | {signed} |")
+    rows = [r for run in runs for r in run["draws"]]
+    gains = sorted(r["miou_gain_3d_over_2d"] for r in rows)
+    worst = sorted(r["3d"]["max_fraction_error_pp"] for r in rows)
+    lines += ["", f"- {len(rows)} draws: 3D − 2D from {gains[0]:+.4f} to {gains[-1]:+.4f} mIoU (median "
+                  f"{np.median(gains):+.4f}); the 3D segmenter's worst volume-fraction error from {worst[0]:.2f} to "
+                  f"{worst[-1]:.2f} pp (median {np.median(worst):.2f}); load {runs[0]['load_before'][0]} → "
+                  f"{runs[-1]['load_after'][0]}"]
+    return lines
+
+
 def _timed(cmd: list[str]) -> dict:
     load_before = load_average()
     t = time.perf_counter()
@@ -243,6 +293,7 @@ def report(folder: Path, stem: str = "volumes_cpu") -> None:
     from report import environment, write_report
 
     accs = [json.loads(p.read_text()) for p in sorted(folder.glob("accuracy_*.json"))]
+    strokes = [json.loads(p.read_text()) for p in sorted(folder.glob("strokes_*.json"))]
     runs = [json.loads(line) for line in open(folder / "speed_runs.jsonl")]
     machine = f"{platform.machine()} CPU, {os.cpu_count()} cores (shared with other jobs)"
     lines = [f"# Volumes: 3D features vs slice-by-slice 2D ({machine})", "",
@@ -283,6 +334,7 @@ def report(folder: Path, stem: str = "volumes_cpu") -> None:
             conf = " | ".join(" / ".join(f"{v:.3f}" for v in row) for row in r["confusion"])
             lines.append(f"| {a['noise']} | {a['seed']} | {per_phase} | {a['boundary_band_share']:.3f} | {kind} | "
                          f"{band} | {beyond} | {conf} |")
+    lines += _stroke_lines(strokes)
     lines += ["",
               "## Time and memory (`segment train`, `segment apply` → mask stack; 16-bit TIFF input)", "",
               "| size | command | peak RSS (GB) | wall (s) | segment (s) | CPU (s) | wall s per 10⁸ voxels | "
@@ -299,8 +351,8 @@ def report(folder: Path, stem: str = "volumes_cpu") -> None:
     notes = sorted({r["note"] for r in runs if r.get("note")})  # e.g. rows kept from an earlier run
     if notes:
         lines += [""] + [f"- {n}" for n in notes]
-    payload = {"machine": machine, "environment": environment(), "accuracy": accs, "speed": runs,
-               "command": "python benchmarks/bench_volumes.py accuracy|speed|report --folder DIR"}
+    payload = {"machine": machine, "environment": environment(), "accuracy": accs, "strokes": strokes, "speed": runs,
+               "command": "python benchmarks/bench_volumes.py accuracy|strokes|speed|report --folder DIR"}
     for path in write_report(None, stem, payload, lines):
         print(f"wrote {path}")
     print("\n".join(lines))
@@ -308,11 +360,12 @@ def report(folder: Path, stem: str = "volumes_cpu") -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("action", choices=("accuracy", "speed", "report", "smoke"))
+    p.add_argument("action", choices=("accuracy", "strokes", "speed", "report", "smoke"))
     p.add_argument("--folder", type=Path, default=Path("volumes_bench"))
     p.add_argument("--size", type=int, default=BASE)
     p.add_argument("--sizes", type=int, nargs="+", default=[256, 512])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draws", type=int, default=5, help="strokes: how many stroke draws (0, 1, …)")
     p.add_argument("--noise", type=float, default=NOISE, help=f"accuracy: noise σ (grey values 0.2/0.5/0.8; default {NOISE})")
     p.add_argument("--backbone", default=None, help="accuracy: also 3D filters + this backbone's triplanar features")
     p.add_argument("--checkpoint", default=None, help="the backbone's weights (a file)")
@@ -322,6 +375,8 @@ def main(argv=None) -> int:
     if args.action == "smoke":
         acc = accuracy(48, args.seed)
         assert 0 < acc["3d"]["miou"] <= 1 and 0 < acc["2d"]["miou"] <= 1, acc
+        draws = stroke_draws(48, args.seed, draws=range(2))["draws"]
+        assert [d["draw"] for d in draws] == [0, 1] and all(0 < d["3d"]["miou"] <= 1 for d in draws)
         rows = speed(Path(tempfile.mkdtemp()), (48,), args.seed)
         assert rows[0]["apply"]["peak_rss_gb"] > 0
         print("smoke ok")
@@ -333,6 +388,11 @@ def main(argv=None) -> int:
         name = f"accuracy_{args.size}_noise{args.noise:g}_seed{args.seed}.json"
         (args.folder / name).write_text(json.dumps(acc, indent=2) + "\n")
         print(json.dumps(acc, indent=2))
+    elif args.action == "strokes":
+        args.folder.mkdir(parents=True, exist_ok=True)
+        run = stroke_draws(args.size, args.seed, args.noise, range(args.draws))
+        (args.folder / f"strokes_{args.size}_noise{args.noise:g}_seed{args.seed}.json").write_text(
+            json.dumps(run, indent=2) + "\n")
     elif args.action == "speed":
         speed(args.folder, args.sizes, args.seed)
     else:

@@ -67,3 +67,21 @@ def test_scribbles_lie_on_three_xy_slices_and_agree_with_the_truth():
 def test_smoke_run():
     pytest.importorskip("porespy")
     assert bench.main(["smoke"]) == 0
+
+
+def test_stroke_draws_report_gives_each_draw_and_the_range():
+    def draw(d, m3, m2, fractions):
+        return {"draw": d, "labelled_voxels": 10, "miou_gain_3d_over_2d": round(m3 - m2, 4),
+                "3d": {"miou": m3, "fraction_true_pred": fractions,
+                       "max_fraction_error_pp": round(max(100 * abs(p - t) for t, p in fractions.values()), 2)},
+                "2d": {"miou": m2}}
+
+    run = {"noise": 0.25, "seed": 0, "load_before": [1.0], "load_after": [2.0],
+           "draws": [draw(0, 0.8, 0.7, {"pore": (0.35, 0.36), "matrix": (0.55, 0.55), "inclusion": (0.10, 0.09)}),
+                     draw(1, 0.7, 0.68, {"pore": (0.35, 0.30), "matrix": (0.55, 0.62), "inclusion": (0.10, 0.08)})]}
+    lines = bench._stroke_lines([run])
+    assert "| 0.25 | 0 | 1 | 10 | 0.7000 | 0.6800 | +0.0200 | -5.00 / +7.00 / -2.00 |" in lines
+    # gains 0.10 and 0.02 (median 0.06); worst errors 1 and 7 pp (median 4)
+    assert lines[-1].startswith("- 2 draws: 3D − 2D from +0.0200 to +0.1000 mIoU (median +0.0600); the 3D "
+                                "segmenter's worst volume-fraction error from 1.00 to 7.00 pp (median 4.00)")
+    assert bench._stroke_lines([]) == []
