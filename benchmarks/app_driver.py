@@ -41,6 +41,16 @@ def launch_chromium(playwright):
     return playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
 
 
+def open_app_page(playwright, server: "Server", timeout_ms: float = 300_000):
+    """(browser, page): headless Chromium showing ``server``'s app at 1280×800, every page action waiting up
+    to ``timeout_ms`` (the benchmarks' long trainings and fills)."""
+    browser = launch_chromium(playwright)
+    page = browser.new_page(viewport={"width": 1280, "height": 800})
+    page.set_default_timeout(timeout_ms)
+    page.goto(server.url)
+    return browser, page
+
+
 class Server:
     """``alibi-vit app DIR --session SESSION --port 0`` as a subprocess, with a small HTTP client.
 

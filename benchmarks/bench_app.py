@@ -39,7 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from app_driver import (CHROMIUM, Server, draw, launch_chromium, strokes_inside, timings,  # noqa: E402
+from app_driver import (CHROMIUM, Server, draw, open_app_page, strokes_inside, timings,  # noqa: E402
                         wait_idle, wait_timing)
 from report import command_line, environment, write_report  # noqa: E402
 
@@ -174,10 +174,7 @@ def run(args) -> dict:
         (small,) = [im["id"] for im in server.json("GET", "/api/state")["images"]]
         result = {"image_size": args.size, "big_size": args.big or None}
         with sync_playwright() as p:
-            browser = launch_chromium(p)
-            page = browser.new_page(viewport={"width": 1280, "height": 800})
-            page.set_default_timeout(300_000)
-            page.goto(server.url)
+            browser, page = open_app_page(p, server)
             page.wait_for_selector(f'.image-row[data-id="{small}"]')
 
             # 1. open → features ready (and the image shown) of the labelled image

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from app_driver import (Server, draw, launch_chromium, strokes_inside, to_screen, wait_idle,  # noqa: E402
+from app_driver import (Server, draw, open_app_page, strokes_inside, to_screen, wait_idle,  # noqa: E402
                         wait_timing)
 from bench_app import goal_report, peak_rss_gb, run_and_report, verdict_word  # noqa: E402
 from report import write_report  # noqa: E402
@@ -142,10 +142,7 @@ def run(args) -> dict:
         ids = {im["name"]: im["id"] for im in server.json("GET", "/api/state")["images"]}
         small, big = ids[f"m{args.train_size}.tif"], ids[f"big{args.big}.ome.zarr"]
         with sync_playwright() as p:
-            browser = launch_chromium(p)
-            page = browser.new_page(viewport={"width": 1280, "height": 800})
-            page.set_default_timeout(300_000)
-            page.goto(server.url)
+            browser, page = open_app_page(p, server)
             page.wait_for_selector(f'.image-row[data-id="{big}"]')
             values = add_classes(page)
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from app_driver import (Server, canvas_pixels, draw_on_slice, launch_chromium, strokes_inside,  # noqa: E402
+from app_driver import (Server, canvas_pixels, draw_on_slice, open_app_page, strokes_inside,  # noqa: E402
                         wait_timing)
 from bench_app import goal_report, peak_rss_gb, run_and_report, verdict_word  # noqa: E402
 from report import write_report  # noqa: E402
@@ -114,10 +114,7 @@ def run(args) -> dict:
         result["server_start_s"] = time.perf_counter() - t0
         volume_id = server.json("GET", "/api/state")["volumes"][0]["id"]
         with sync_playwright() as p:
-            browser = launch_chromium(p)
-            page = browser.new_page(viewport={"width": 1280, "height": 800})
-            page.set_default_timeout(300_000)
-            page.goto(server.url)
+            browser, page = open_app_page(p, server)
             page.wait_for_selector(f'.volume-row[data-id="{volume_id}"]')
             colours = {}
             for name in ("phase 1", "phase 2"):
