@@ -13,6 +13,14 @@ well as 50 or 100, and prediction (every tree on every pixel) is most of a first
 With ten seeds per training image no other setting tried (histogram bins, exact splits, row and
 feature fractions, leaf regularisation, 50-100 trees) nor scikit-learn's forest scored better
 beyond the strokes' noise (benchmarks/bench_trainable_sparse_diagnosis.py).
+
+Thresholds midway between labelled values: XGBoost's histogram method splits ``x < cut`` where
+each cut is one of the training values, so every value between the largest labelled value below
+the cut and the cut itself goes to the left. Sparse strokes leave wide gaps there (the boundary
+between two phases is never stroked), and the boundary then sits on one class's stroked extreme,
+moving with each tree's row sample. After the fit every threshold is moved to the middle of its
+gap, where an exact tree learner would put it: the training rows fall exactly as before (the
+fitted model is unchanged on them), unseen values in the gap are shared between the two sides.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["CLASSIFIERS", "DEFAULT_CLASSIFIER", "balanced_weights", "fit_classifier", "load_classifier",
-           "make_classifier"]
+           "make_classifier", "midpoint_thresholds"]
 
 CLASSIFIERS = ("xgboost", "random_forest")
 DEFAULT_CLASSIFIER = "random_forest"
@@ -52,7 +60,8 @@ SINGLE_THREAD_ROWS = 50_000
 
 
 def fit_classifier(kind: str, X: np.ndarray, y: np.ndarray, seed: int = 0, params: dict | None = None):
-    """A classifier of ``kind`` fitted on rows ``X`` and classes ``y`` (0..K-1), classes balanced.
+    """A classifier of ``kind`` fitted on rows ``X`` and classes ``y`` (0..K-1), classes balanced, its
+    thresholds moved midway between labelled values (:func:`midpoint_thresholds`).
 
     Unless ``params`` sets ``n_jobs``, the fit uses one thread below :data:`SINGLE_THREAD_ROWS` rows
     and all cores above, and prediction (whole images: many rows) uses all cores."""
@@ -61,8 +70,43 @@ def fit_classifier(kind: str, X: np.ndarray, y: np.ndarray, seed: int = 0, param
     clf = make_classifier(kind, seed=seed, n_jobs=(1 if len(y) < SINGLE_THREAD_ROWS else None)
                           if threads == "auto" else threads, **params)
     clf.fit(X, y, sample_weight=balanced_weights(y))
+    midpoint_thresholds(clf, X)
     if threads == "auto":
         clf.set_params(n_jobs=None)
+    return clf
+
+
+def midpoint_thresholds(clf, X: np.ndarray):
+    """Move every split threshold of the fitted XGBoost ``clf`` midway between the largest value of
+    its feature in ``X`` below it and itself; returns ``clf``, changed in place.
+
+    A split sends ``x < t`` left. Each threshold ``t`` of the histogram method is a value of ``X``,
+    so the rows of ``X`` fall on the same side of ``t`` and of the new threshold: predictions on
+    ``X`` do not change, only those on values no row of ``X`` has. A threshold with no value below
+    it, or whose gap is too narrow for a float32 in between, stays where it is."""
+    import json
+
+    booster = clf.get_booster()
+    model = json.loads(booster.save_raw("json"))
+    trees = model["learner"]["gradient_booster"]["model"]["trees"]
+    features = np.concatenate([np.asarray(t["split_indices"], np.int64) for t in trees])
+    thresholds = np.concatenate([np.asarray(t["split_conditions"], np.float32) for t in trees])
+    inner = np.concatenate([np.asarray(t["left_children"]) != -1 for t in trees])
+    for f in np.unique(features[inner]):
+        nodes = np.flatnonzero(inner & (features == f))
+        values = np.sort(X[:, f].astype(np.float32, copy=False))
+        t = thresholds[nodes]
+        k = np.searchsorted(values, t, side="left")  # values[k - 1] < t <= values[k]
+        below = values[np.maximum(k - 1, 0)]
+        middle = below + (t - below) / np.float32(2)
+        move = (k > 0) & (middle > below) & (middle <= t)
+        thresholds[nodes[move]] = middle[move]
+    start = 0
+    for tree in trees:
+        n = len(tree["split_conditions"])
+        tree["split_conditions"] = thresholds[start:start + n].tolist()
+        start += n
+    booster.load_model(bytearray(json.dumps(model).encode()))
     return clf
 
 
