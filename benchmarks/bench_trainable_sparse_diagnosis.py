@@ -2,14 +2,17 @@
 
     python benchmarks/bench_trainable_sparse_diagnosis.py --split train --seeds 0 1 2 3 4 5 6 7 8 9
     python benchmarks/bench_trainable_sparse_diagnosis.py --images isb_tem --seeds 0 1 2 3 4 5 6 7 8 9
+    python benchmarks/bench_trainable_sparse_diagnosis.py --features compact --name midpoints \
+        --classifiers "forest (defaults)" "forest, thresholds on labelled values"
     python benchmarks/bench_trainable_sparse_diagnosis.py --smoke
 
 The sparse protocol of ``alibi-vit segment benchmark`` (the very same strokes per image and
 seed), but each system is a pair taken apart: a feature set (``compact``, the project's
 default, on the image scaled as the segmenter scales it; ``skimage``, scikit-image's
 ``multiscale_basic_features`` with its defaults) and a classifier (the project's forest with
-its current defaults or with other settings, or scikit-learn's random forest with the settings
-of scikit-image's trainable-segmentation example). Crossing them separates what the features
+its current defaults or with other settings, or without the thresholds moved midway between
+labelled values, or scikit-learn's random forest with the settings of scikit-image's
+trainable-segmentation example). Crossing them separates what the features
 do from what the classifier does. Every run also records each class's labelled pixels, IoU and
 predicted area fraction (``runs.csv``), so a loss can be traced to one class.
 
@@ -48,6 +51,8 @@ FORESTS = {
     # histogram bins; it samples features per level, not per split.
     "forest, exact splits": {"tree_method": "exact", "colsample_bynode": 1.0, "colsample_bylevel": 0.3},
 }
+# The default forest as XGBoost fits it, before fit_classifier moves its thresholds midway between labelled values.
+HISTOGRAM_THRESHOLDS = "forest, thresholds on labelled values"
 SKLEARN = "scikit-learn forest (scikit-image example)"
 
 
@@ -74,9 +79,13 @@ def classify(name: str, X, y, F, seed: int) -> np.ndarray:
 
         clf = RandomForestClassifier(n_estimators=50, max_depth=10, max_samples=0.05, n_jobs=-1, random_state=seed)
         return clf.fit(X, y).predict(rows).reshape(F.shape[:2])
-    from alibi_vit.trainable.classifier import fit_classifier
+    from alibi_vit.trainable.classifier import balanced_weights, fit_classifier, make_classifier
 
-    clf = fit_classifier("random_forest", X, y, seed=seed, params=FORESTS[name])
+    if name == HISTOGRAM_THRESHOLDS:
+        clf = make_classifier("random_forest", seed=seed, n_jobs=1).fit(X, y, sample_weight=balanced_weights(y))
+        clf.set_params(n_jobs=None)
+    else:
+        clf = fit_classifier("random_forest", X, y, seed=seed, params=FORESTS[name])
     return clf.predict(rows).reshape(F.shape[:2])
 
 
@@ -117,7 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--images", nargs="+", default=None, help="only these images")
     p.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
     p.add_argument("--features", nargs="+", default=["compact", "skimage"], choices=("compact", "skimage"))
-    p.add_argument("--classifiers", nargs="+", default=["forest (defaults)", SKLEARN], choices=[*FORESTS, SKLEARN])
+    p.add_argument("--classifiers", nargs="+", default=["forest (defaults)", SKLEARN], choices=[*FORESTS, HISTOGRAM_THRESHOLDS, SKLEARN])
     p.add_argument("--name", default=None, help="results folder suffix (default: the split or the images)")
     p.add_argument("--out-dir", type=Path, default=None)
     p.add_argument("--smoke", action="store_true", help="64-px crops of two images, one seed")

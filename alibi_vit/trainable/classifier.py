@@ -25,7 +25,9 @@ fitted model is unchanged on them), unseen values in the gap are shared between 
 
 from __future__ import annotations
 
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -92,15 +94,20 @@ def midpoint_thresholds(clf, X: np.ndarray):
     features = np.concatenate([np.asarray(t["split_indices"], np.int64) for t in trees])
     thresholds = np.concatenate([np.asarray(t["split_conditions"], np.float32) for t in trees])
     inner = np.concatenate([np.asarray(t["left_children"]) != -1 for t in trees])
-    for f in np.unique(features[inner]):
+
+    def move(f):
         nodes = np.flatnonzero(inner & (features == f))
         values = np.sort(X[:, f].astype(np.float32, copy=False))
         t = thresholds[nodes]
         k = np.searchsorted(values, t, side="left")  # values[k - 1] < t <= values[k]
         below = values[np.maximum(k - 1, 0)]
         middle = below + (t - below) / np.float32(2)
-        move = (k > 0) & (middle > below) & (middle <= t)
-        thresholds[nodes[move]] = middle[move]
+        moved = (k > 0) & (middle > below) & (middle <= t)
+        thresholds[nodes[moved]] = middle[moved]
+
+    # The sorts (a few tenths of a second on 500 000 rows) release the GIL: one feature per thread.
+    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
+        list(pool.map(move, np.unique(features[inner])))
     start = 0
     for tree in trees:
         n = len(tree["split_conditions"])
