@@ -126,7 +126,8 @@ def main(argv=None) -> int:
     p.add_argument("--images", nargs="+", default=None, help="only these images")
     p.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
     p.add_argument("--features", nargs="+", default=["compact", "skimage"], choices=("compact", "skimage"))
-    p.add_argument("--classifiers", nargs="+", default=["forest (defaults)", SKLEARN], choices=[*FORESTS, HISTOGRAM_THRESHOLDS, SKLEARN])
+    p.add_argument("--classifiers", nargs="+", default=["forest (defaults)", SKLEARN],
+                   choices=[*FORESTS, HISTOGRAM_THRESHOLDS, SKLEARN])
     p.add_argument("--name", default=None, help="results folder suffix (default: the split or the images)")
     p.add_argument("--out-dir", type=Path, default=None)
     p.add_argument("--smoke", action="store_true", help="64-px crops of two images, one seed")

@@ -25,6 +25,7 @@ fitted model is unchanged on them), unseen values in the gap are shared between 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -86,8 +87,6 @@ def midpoint_thresholds(clf, X: np.ndarray):
     so the rows of ``X`` fall on the same side of ``t`` and of the new threshold: predictions on
     ``X`` do not change, only those on values no row of ``X`` has. A threshold with no value below
     it, or whose gap is too narrow for a float32 in between, stays where it is."""
-    import json
-
     booster = clf.get_booster()
     model = json.loads(booster.save_raw("json"))
     trees = model["learner"]["gradient_booster"]["model"]["trees"]
