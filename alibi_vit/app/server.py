@@ -451,7 +451,8 @@ def add_volume_routes(app: FastAPI, session: Session, engine: Engine, volumes: V
     @app.post("/api/volumes/{volume_id}/strokes")
     def volume_stroke(volume_id: str, body: VolumeStrokeBody):
         axis, index = volumes.check_slice(volume_id, body.view, body.index)
-        stroke = session.check_stroke(volumes.entry(volume_id).plane_shape(axis), body.cls, body.radius, [list(p) for p in body.points], body.erase)
+        stroke = session.check_stroke(volumes.entry(volume_id).plane_shape(axis), body.cls, body.radius,
+                                      [list(p) for p in body.points], body.erase)
         return label_answer(volume_id, volumes.add_stroke(volume_id, body.view, index, stroke))
 
     @app.post("/api/volumes/{volume_id}/undo")

@@ -211,6 +211,14 @@ def unique_id(stem: str, taken, fallback: str = "image") -> str:
     return candidate
 
 
+def refuse_relinked(source: Path, what: str) -> None:
+    """A 403 :class:`SessionError` naming ``what`` when ``source``, or a folder above it, became a symbolic
+    link since it was added (sources are stored resolved)."""
+    if source.resolve() != source:
+        raise SessionError(f"{what} is not read: {source} now leads to {source.resolve()} (a symbolic link)",
+                           status=403)
+
+
 class Session:
     """The state of one app session, mirrored to its folder on every change (thread-safe).
 
@@ -492,9 +500,7 @@ class Session:
             if image_id in self._read:
                 self._read.move_to_end(image_id)
                 return self._read[image_id]
-        if entry.source.resolve() != entry.source:  # a folder or the file became a link since it was added
-            raise SessionError(f"image {entry.name} is not read: {entry.source} now leads to "
-                               f"{entry.source.resolve()} (a symbolic link)", status=403)
+        refuse_relinked(entry.source, f"image {entry.name}")
         try:
             image = open_chunked(entry.source) if entry.chunked else \
                 read_images(entry.source, self.max_pixels)[entry.page or 0]

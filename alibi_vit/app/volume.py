@@ -37,7 +37,7 @@ import numpy as np
 
 from .errors import SessionError
 from .imagefiles import DEFAULT_MAX_PIXELS
-from .session import not_saved, png_bytes, remember, stroke_footprint, unique_id, write_atomic
+from .session import not_saved, png_bytes, refuse_relinked, remember, stroke_footprint, unique_id, write_atomic
 from .volume_labels import SparseVolumeLabels
 
 __all__ = ["AXES", "VolumeEntry", "Volumes", "is_volume_path"]
@@ -187,9 +187,7 @@ class Volumes:
         entry = self.entry(volume_id)
         with self.lock:
             if volume_id not in self._opened:
-                if entry.source.resolve() != entry.source:  # it became a link since it was added
-                    raise SessionError(f"volume {entry.name} is not read: {entry.source} now leads to "
-                                       f"{entry.source.resolve()} (a symbolic link)", status=403)
+                refuse_relinked(entry.source, f"volume {entry.name}")
                 try:
                     image = open_volume(entry.source)
                 except (ImageReadError, OSError) as err:
