@@ -51,6 +51,18 @@ def open_app_page(playwright, server: "Server", timeout_ms: float = 300_000):
     return browser, page
 
 
+def add_class(page, name: str) -> int:
+    """Add a class named ``name`` in the page's class form; returns its value once its row is shown.
+    Waiting matters: the form clears its name field when the server answers, so a second name typed
+    before that answer would be wiped."""
+    before = page.locator(".class-row").count()
+    page.fill("#class-name", name)
+    page.click("#add-class")
+    page.wait_for_function("n => document.querySelectorAll('.class-row').length > n", arg=before)
+    row = page.locator(".class-row", has_text=name)
+    return int(row.get_attribute("data-value"))
+
+
 class Server:
     """``alibi-vit app DIR --session SESSION --port 0`` as a subprocess, with a small HTTP client.
 

@@ -22,9 +22,9 @@ import pytest
 from tests.helpers import benchmark_module
 
 app_driver = benchmark_module("app_driver")   # benchmarks/app_driver.py, shared with benchmarks/bench_app.py
-CHROMIUM, Server, alibi_vit_command, to_screen, wait_timing, strokes_inside = (
-    app_driver.CHROMIUM, app_driver.Server, app_driver.alibi_vit_command, app_driver.to_screen,
-    app_driver.wait_timing, app_driver.strokes_inside)
+CHROMIUM, Server, add_class, alibi_vit_command, to_screen, wait_timing, strokes_inside = (
+    app_driver.CHROMIUM, app_driver.Server, app_driver.add_class, app_driver.alibi_vit_command,
+    app_driver.to_screen, app_driver.wait_timing, app_driver.strokes_inside)
 # A stroke through image points, then waits until the server has it.
 draw = functools.partial(app_driver.draw, steps=6, wait_sent=True)
 
@@ -107,15 +107,6 @@ def open_image(page, image_id: str = "m0"):
     wait_timing(page, "image_shown", image_id, 1, timeout_ms=30_000)
     wait_timing(page, "features_ready", image_id, 1, timeout_ms=60_000)
     page.keyboard.press("0")   # fit
-
-
-def add_class(page, name: str) -> int:
-    before = page.locator(".class-row").count()
-    page.fill("#class-name", name)
-    page.click("#add-class")
-    page.wait_for_function("n => document.querySelectorAll('.class-row').length > n", arg=before)
-    row = page.locator(".class-row", has_text=name)
-    return int(row.get_attribute("data-value"))
 
 
 def label_layer_counts(page, colours: dict[int, str]) -> dict[int, int]:

@@ -64,8 +64,7 @@ def test_labels_drawn_in_xz_train_a_model_whose_overlay_matches_the_planted_laye
             page.wait_for_selector('.volume-row[data-id="stack"]')
             assert page.locator("#image-list .image-row").count() == 0  # one entry, not 48 pages
             for name in ("top", "bottom"):
-                page.fill("#class-name", name)
-                page.click("#add-class")
+                app_driver.add_class(page, name)
             page.wait_for_function("() => document.querySelectorAll('.class-row').length === 2")
 
             page.click('.volume-row[data-id="stack"]')
