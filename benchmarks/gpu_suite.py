@@ -16,6 +16,18 @@ Phases, in the order to run them (one command each):
     tests       the GPU test files (the kernel and attention tests) in several pytest processes side by
                 side, so their cold kernel compiles share the CPU cores; pinned launch configs
                 (ALIBI_TRITON_AUTOTUNE=0) (gpu_tests_<device>.json)
+    model       benchmarks/bench_model.py: forward throughput and peak memory of ViT-S and ViT-B at 518, 1022,
+                2044 and 224 px, bf16: DINOv2 (learned position embedding, SDPA) against ALiBi on the fused
+                kernel, auto, SDPA with the materialised bias and Flex; the two fastest again under
+                torch.compile; each row names the attention kernel that ran (model_<device>.{json,md})
+    train       benchmarks/bench_distill_throughput.py: one distillation optimizer step (frozen teacher,
+                student forward and backward, AdamW, bf16 autocast) at 518 and 224 px, the student on the
+                fused kernel, on SDPA with the materialised bias and on Flex; whether Lightning runs 2-process
+                DDP on the machine's GPUs (distill_throughput_<device>.{json,md})
+    seg         benchmarks/bench_vit_segment.py: segment train, then segment apply with ViT features
+                (random-init backbone) on a 4096² image and a 16384² OME-Zarr mosaic, on the GPU and on the
+                CPU, and the app's Train -> overlay; zarr comes from wheels carried in .whl/
+                (vit_segment_<device>.{json,md})
     sweep-518   benchmarks/bench_attention.py, ViT-B at 224 and 518 px: the fused kernel (default
                 backward, two-kernel backward, bias compiled out) against SDPA per kernel, with and
                 without the bias, constant / per-head / learned slopes (attention_<device>_518.{json,md})
@@ -30,6 +42,10 @@ Phases, in the order to run them (one command each):
     sass        benchmarks/bench_kernel_sass.py with the machine's Triton (3.6 there): every config,
                 head_dim 64 and 128, bf16, compiled on all CPU cores (kernel_sass_sm90_triton<v>.{json,md})
     all         every phase above in order, for a machine without the 10-minute limit
+
+A phase's time limit is ``GPU_SUITE_LIMIT`` or, for one phase, ``GPU_SUITE_LIMIT_<PHASE>`` (``-`` as
+``_``), so several phases can share one 10-minute command:
+``GPU_SUITE_LIMIT_MODEL=300 GPU_SUITE_LIMIT_TRAIN=120 bash benchmarks/gpu_suite.sh model train``.
 
 Launch configs are pinned (``ALIBI_TRITON_AUTOTUNE=0``: the SASS proxy's first choice per kernel), so
 no phase spends its minutes autotuning and the timed configs are the proxy's. ``--smoke`` runs a phase
@@ -71,7 +87,10 @@ FLEX_BACKENDS = ("triton", "flex", "flex-table", "flex-nobias")
 # What the GPU image has and lacks (the env phase reports each).
 OPTIONAL_MODULES = ("pytest", "lightning", "timm", "skimage", "tifffile", "jsonargparse", "fastapi", "uvicorn",
                     "xgboost", "pycocotools", "pydensecrf2", "playwright")
-PHASES = ("env", "tests", "sweep-518", "sweep-1022", "sweep-2072", "flex", "flex-1022", "flex-learned", "sass")
+PHASES = ("env", "tests", "model", "train", "seg", "sweep-518", "sweep-1022", "sweep-2072", "flex", "flex-1022",
+          "flex-learned", "sass")
+# What a benchmark keeps of a phase's time for writing its results after its last row starts.
+ROW_RESERVE = {"model": 45, "train": 40, "seg": 30}
 
 
 def parse_args(argv=None):
@@ -89,6 +108,7 @@ class Phase:
 
     def __init__(self, name, dest, device, smoke):
         self.name, self.dest, self.device, self.smoke = name, dest, device, smoke
+        self.limit = phase_limit(name)
         self.start = time.monotonic()
         self.log_path = dest / f"gpu_suite_{name}_{device}.log"
         self.log = open(self.log_path, "w", buffering=1)
@@ -96,7 +116,11 @@ class Phase:
         self.lock = threading.Lock()
 
     def remaining(self):
-        return PHASE_LIMIT - (time.monotonic() - self.start)
+        return self.limit - (time.monotonic() - self.start)
+
+    def row_budget(self):
+        """Seconds a benchmark may go on starting rows: what is left of the phase, less time to write up."""
+        return str(max(1, int(self.remaining() - ROW_RESERVE.get(self.name, 30))))
 
     def say(self, line):
         with self.lock:
@@ -148,6 +172,10 @@ class Phase:
 
 def python():
     return sys.executable
+
+
+def phase_limit(name: str) -> int:
+    return int(os.environ.get(f"GPU_SUITE_LIMIT_{name.upper().replace('-', '_')}", PHASE_LIMIT))
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,6 +355,71 @@ def sass_phase(phase):
     return [phase.dest / f"{stem}.json", phase.dest / f"{stem}.md"]
 
 
+def model_phase(phase):
+    cmd = [python(), "benchmarks/bench_model.py", "--out-dir", phase.dest, "--time-limit", phase.row_budget()]
+    if phase.smoke:
+        cmd += ["--smoke"]
+    else:
+        cmd += ["--models", "small", "base", "--sizes", "518", "1022", "2044", "224", "--compile-top", "2",
+                "--compile-sizes", "518", "1022", "--seconds", "0.5"]
+    phase.run(cmd, phase.env(ALIBI_TRITON_AUTOTUNE="0"))
+    stem = f"model_{phase.device}"
+    return [phase.dest / f"{stem}.json", phase.dest / f"{stem}.md"]
+
+
+def train_phase(phase):
+    cmd = [python(), "benchmarks/bench_distill_throughput.py", "--out-dir", phase.dest, "--ddp-check",
+           "--time-limit", phase.row_budget()]
+    if phase.smoke:
+        cmd += ["--smoke", "--backends", "triton", "sdpa"]
+    else:
+        # The paper's batches (stage 2 at 518 px, stage 1 at 224 px); 518 first: the goal is stated there.
+        cmd += ["--sizes", "518", "224", "--batch", "32", "256", "--backends", "triton", "sdpa", "flex",
+                "--steps", "10", "--warmup", "3"]
+    phase.run(cmd, phase.env(ALIBI_TRITON_AUTOTUNE="0"))
+    stem = f"distill_throughput_{phase.device}"
+    return [phase.dest / f"{stem}.json", phase.dest / f"{stem}.md"]
+
+
+def carried_wheels(phase, modules):
+    """Install the wheels carried in ``.whl/`` into a folder of their own when ``modules`` are missing here (the
+    GPU image lacks zarr and xgboost); returns the environment's PYTHONPATH addition, or None."""
+    import importlib.util
+
+    def found(name):
+        try:
+            return importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            return False
+
+    missing = [m for m in modules if not found(m)]
+    wheels = sorted((ROOT / ".whl").glob("*.whl"))
+    if not missing or not wheels:
+        if missing:
+            phase.say(f"{', '.join(missing)} missing and no wheels carried in .whl/: their rows will be skipped")
+        return None
+    target = Path(tempfile.mkdtemp(prefix="gpu_suite_wheels_"))
+    phase.run([python(), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile", "--target", target,
+               *wheels])
+    return str(target)
+
+
+def seg_phase(phase):
+    extra = carried_wheels(phase, ("zarr", "xgboost"))
+    env = phase.env(ALIBI_TRITON_AUTOTUNE="0")
+    if extra:
+        env["PYTHONPATH"] = os.pathsep.join([extra, env["PYTHONPATH"]])
+    cmd = [python(), "benchmarks/bench_vit_segment.py", "--out-dir", phase.dest, "--budget", phase.row_budget()]
+    if phase.smoke:
+        cmd += ["--smoke"]
+    else:
+        # The mosaic's ViT features first; the CPU rows last (a 10-minute command seldom reaches them).
+        cmd += ["--device", "cuda", "cpu", "--rows", "vit", "image", "app", "mosaic"]
+    phase.run(cmd, env)
+    stem = f"vit_segment_{phase.device}"
+    return [phase.dest / f"{stem}.json", phase.dest / f"{stem}.md"]
+
+
 RUNNERS = {
     "env": env_phase,
     "tests": tests_phase,
@@ -337,6 +430,9 @@ RUNNERS = {
     "flex-1022": lambda phase: flex_phase(phase, 1022),
     "flex-learned": lambda phase: flex_phase(phase, 518, learned=True),
     "sass": sass_phase,
+    "model": model_phase,
+    "train": train_phase,
+    "seg": seg_phase,
 }
 
 
@@ -379,7 +475,7 @@ def main(argv=None):
     for name in phases:
         phase = Phase(name, dest, device, args.smoke)
         phase.say(f"== phase {name} on {device}{' (smoke: CPU, not a measurement)' if args.smoke else ''}, "
-                  f"{PHASE_LIMIT} s limit, results in {dest}")
+                  f"{phase.limit} s limit, results in {dest}")
         try:
             files = RUNNERS[name](phase)
         except Exception as err:  # a phase that cannot start is reported; the next phase still runs
@@ -391,7 +487,7 @@ def main(argv=None):
         phase.say(f"== phase {name}: {'ok' if ok else 'FAILED'} after {seconds} s")
         phase.log.close()
         written = [str(f.relative_to(dest)) for f in (*files, phase.log_path) if f.is_file()]
-        write_status(dest, device, name, {"ok": ok, "seconds": seconds, "limit_s": PHASE_LIMIT, "smoke": args.smoke,
+        write_status(dest, device, name, {"ok": ok, "seconds": seconds, "limit_s": phase.limit, "smoke": args.smoke,
                                           "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                           "commands": phase.commands, "files": written})
         if not ok:

@@ -4,6 +4,9 @@
 #
 #     bash benchmarks/gpu_suite.sh env
 #     bash benchmarks/gpu_suite.sh tests
+#     bash benchmarks/gpu_suite.sh model          # whole ViTs forward: ALiBi on every attention path vs DINOv2
+#     bash benchmarks/gpu_suite.sh train          # one distillation step per student attention path
+#     bash benchmarks/gpu_suite.sh seg            # segment train/apply and the app's Train with ViT features
 #     bash benchmarks/gpu_suite.sh sweep-518      # then sweep-1022, sweep-2072
 #     bash benchmarks/gpu_suite.sh flex           # then flex-1022, flex-learned
 #     bash benchmarks/gpu_suite.sh sass

@@ -2,6 +2,7 @@
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -54,3 +55,25 @@ def benchmark_module(name: str):
         return importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCHMARKS))
+
+
+# A sitecustomize that makes modules unimportable, as they are on the lent GPU machines' image.
+_BLOCKER = """import sys
+
+class _MissingOnTheGpuImage:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (the GPU image lacks it)", name=name)
+        return None
+
+sys.meta_path.insert(0, _MissingOnTheGpuImage())
+"""
+
+
+def gpu_image_env(tmp_path, blocked) -> dict:
+    """Environment of a CPU process that simulates the GPU image: the ``blocked`` modules cannot be imported,
+    Triton runs its interpreter and no CUDA device is visible."""
+    site = tmp_path / "gpu_image_site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(_BLOCKER.format(blocked=set(blocked)))
+    return {**os.environ, "PYTHONPATH": str(site), "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}

@@ -9,22 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import benchmark_module
+from tests.helpers import benchmark_module, gpu_image_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "gpu_suite.sh"
 # The GPU image (python 3.12, torch 2.11, triton 3.6, numpy 2.5, lightning, timm, scikit-image, tifffile) lacks these.
 MISSING_ON_GPU_IMAGE = ("jsonargparse", "fastapi", "uvicorn", "xgboost", "pycocotools", "pydensecrf2", "playwright")
-BLOCKER = """import sys
-
-class _MissingOnTheGpuImage:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {blocked!r}:
-            raise ModuleNotFoundError(f"No module named {{name!r}} (the GPU image lacks it)", name=name)
-        return None
-
-sys.meta_path.insert(0, _MissingOnTheGpuImage())
-"""
 MAX_FILES = 8  # what one command on the GPU machine may bring back
 
 suite = benchmark_module("gpu_suite")
@@ -34,12 +24,7 @@ shard = benchmark_module("pytest_shard")
 @pytest.fixture
 def gpu_image(tmp_path):
     """Environment of a process that sees the GPU image's modules: a sitecustomize blocks the missing ones."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(BLOCKER.format(blocked=set(MISSING_ON_GPU_IMAGE)))
-    env = {**os.environ, "PYTHONPATH": str(site), "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
-           "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    return env
+    return {**gpu_image_env(tmp_path, MISSING_ON_GPU_IMAGE), "PYTHON": sys.executable, "OUT": str(tmp_path / "out")}
 
 
 def _smoke(env, *phases):
@@ -131,6 +116,29 @@ def test_the_other_sizes_and_the_sass_phase(gpu_image):
     assert report["complete"] and {r["variant"] for r in report["rows"]} == {"alibi", "nobias"}
     # Four phases' results, logs and one status file: one command each on the GPU machine brings back its own.
     assert all(len(status[p]["files"]) + 1 <= MAX_FILES for p in status)
+
+
+def test_model_and_train_phases_share_one_command_within_their_own_limits(gpu_image):
+    env = {**gpu_image, "GPU_SUITE_LIMIT_MODEL": "200", "GPU_SUITE_LIMIT_TRAIN": "150"}
+    proc, out, status = _smoke(env, "model", "train")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    model, train = _check_phase(out, status, "model"), _check_phase(out, status, "train")
+    assert (model["limit_s"], train["limit_s"]) == (200, 150)
+    rows = json.loads((out / "model_cpu-smoke.json").read_text())["rows"]
+    # the simulated image runs the interpreter, so the fused kernel is among the variants, and each row names its path
+    assert {r["variant"] for r in rows} == {"dinov2", "alibi-sdpa", "alibi-eager", "alibi-triton"}
+    assert all(r["status"] == "ok" and r["kernel"] for r in rows), rows
+    assert {r["ran"] for r in rows if r["variant"] == "alibi-triton"} == {"triton"}
+    # the benchmark was told to stop starting rows before the phase's limit, less the time to write up
+    words = model["commands"][0]["command"].split()
+    budget = int(words[words.index("--time-limit") + 1])
+    assert 200 - suite.ROW_RESERVE["model"] - 10 <= budget <= 200 - suite.ROW_RESERVE["model"]
+    report = json.loads((out / "distill_throughput_cpu-smoke.json").read_text())
+    assert {r["backend"] for r in report["results"]} == {"triton", "sdpa"}
+    assert all(r["status"] == "ok" and r["img_per_s"] > 0 for r in report["results"])
+    # no GPU in the simulation: the DDP check records Lightning's refusal instead of a step
+    assert report["ddp"]["runs"] is False and report["ddp"]["message"]
+    assert len(list(out.iterdir())) <= MAX_FILES
 
 
 def test_a_phase_needs_a_gpu_or_smoke(tmp_path):
