@@ -70,7 +70,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from report import command_line, environment, slug, write_report  # noqa: E402
+from report import command_line, environment, error_status, slug, write_report  # noqa: E402
 
 MODELS = {"vit-s": 6, "vit-b": 12, "vit-l": 16}
 SIZES = (224, 518, 1022, 2072)
@@ -310,11 +310,6 @@ def cudagraph_time(fn, rep):
         return triton.testing.do_bench_cudagraph(fn, rep=rep, quantiles=[0.5, 0.2, 0.8])
 
 
-def _error_status(exc):
-    first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
-    return f"error: {type(exc).__name__}: {first_line}"
-
-
 def run(args, progress=lambda rows: None):
     """Every row of the sweep; ``progress(rows)`` after each (model, size, mode, slopes) group."""
     import torch
@@ -403,7 +398,7 @@ def run(args, progress=lambda rows: None):
                         except torch.cuda.OutOfMemoryError:
                             row["status"] = "OOM"
                         except Exception as exc:  # one failing backend must not end the sweep
-                            row["status"] = _error_status(exc)
+                            row["status"] = error_status(exc)
                         rows.append(row)
                     # Interleaved rounds: round r times every backend once.
                     for _ in range(repeats):
@@ -415,7 +410,7 @@ def run(args, progress=lambda rows: None):
                             except torch.cuda.OutOfMemoryError:
                                 row["status"] = "OOM"
                             except Exception as exc:
-                                row["status"] = _error_status(exc)
+                                row["status"] = error_status(exc)
                     for row, call in entries:
                         if row["ms_rounds"] and row["status"] == "ok":
                             row["ms"] = statistics.median(r[0] for r in row["ms_rounds"])
@@ -428,7 +423,7 @@ def run(args, progress=lambda rows: None):
                                     row["ms_cudagraph"] = round(cudagraph_time(call, args.rep)[0], 4)
                                     row["cudagraph_status"] = "ok"
                                 except Exception as exc:
-                                    row["cudagraph_status"] = _error_status(exc)
+                                    row["cudagraph_status"] = error_status(exc)
                     for row in rows[first:]:
                         print(f"{model:6s} {px:5d}px N={n:6d} B={bsz:4d} {mode:8s} {row['slopes'] or '-':8s} "
                               f"{row['backend']:18s} {row['ms'] if row['ms'] is not None else '-':>10} ms "

@@ -50,11 +50,23 @@ def _mirror_index(n: int, period: int) -> np.ndarray:
     return np.where(i < period, i, 2 * period - 1 - i)
 
 
+def write_mirrored_zarr(path: Path, image: np.ndarray, n: int, chunk: int = CHUNK, name: str | None = None) -> None:
+    """An n² OME-Zarr of ``image`` mirrored out to n px, written chunk by chunk (never whole in memory)."""
+    from alibi_vit.trainable.writers import ZarrOutput
+
+    idx = _mirror_index(n, image.shape[0])
+    out = ZarrOutput(path, (n, n), image.dtype, chunk, name=name)
+    for r in range(0, n, chunk):
+        for c in range(0, n, chunk):
+            out.write((slice(r, min(r + chunk, n)), slice(c, min(c + chunk, n))),
+                      image[np.ix_(idx[r:r + chunk], idx[c:c + chunk])])
+    out.finish()
+
+
 def make(folder: Path, sizes, base: int = BASE) -> None:
     import tifffile
 
     from alibi_vit.trainable import TrainableSegmenter, scribbles, synthetic_micrograph
-    from alibi_vit.trainable.writers import ZarrOutput
 
     folder.mkdir(parents=True, exist_ok=True)
     image, truth = synthetic_micrograph(base, seed=0)
@@ -75,12 +87,7 @@ def make(folder: Path, sizes, base: int = BASE) -> None:
                              bigtiff=True, compression="zlib", photometric="minisblack")
             os.replace(tif.with_suffix(".part"), tif)
         if not zr.is_dir():
-            out = ZarrOutput(zr, (n, n), np.uint16, CHUNK)
-            for r in range(0, n, CHUNK):
-                for c in range(0, n, CHUNK):
-                    out.write((slice(r, min(r + CHUNK, n)), slice(c, min(c + CHUNK, n))),
-                              image[np.ix_(idx[r:r + CHUNK], idx[c:c + CHUNK])])
-            out.finish()
+            write_mirrored_zarr(zr, image, n)
         print(f"made {tif} and {zr}", flush=True)
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from report import command_line, environment, load_average, slug, write_report
+from report import command_line, environment, error_status, load_average, slug, write_report
 TINY = {"depth": 2, "embed_dim": 32, "num_heads": 2}  # head_dim 16: a size the Triton kernel takes
 
 
@@ -113,8 +113,7 @@ def measure(model: str, backend: str, size: int, batch: int, steps: int, warmup:
         row.update(status="out of memory")
         return row
     except Exception as exc:  # one failing backend must not end the run
-        first_line = str(exc).splitlines()[0][:240] if str(exc) else ""
-        row.update(status=f"error: {type(exc).__name__}: {first_line}")
+        row.update(status=error_status(exc, 240))
         return row
     finally:
         del module, optimizer

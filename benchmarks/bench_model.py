@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from report import command_line, environment, load_average, slug, write_report  # noqa: E402
+from report import command_line, environment, error_status, load_average, slug, write_report  # noqa: E402
 
 MODELS = ("small", "base", "large")
 # Each variant: (timm name pattern, model kwargs). The ALiBi models take their attention backend by name.
@@ -153,12 +153,8 @@ def attention_ran(net, device, dtype) -> str:
         return "timm sdpa"
     if backend == "auto":
         head_dim = net.blocks[0].attn.head_dim
-        return f"auto → {auto_backend(torch_device_type(device), head_dim, dtype)}"
+        return f"auto → {auto_backend(device.type, head_dim, dtype)}"
     return backend
-
-
-def torch_device_type(device) -> str:
-    return str(device).split(":")[0]
 
 
 def profile_attention(call, device_type: str) -> tuple[list[str], float | None]:
@@ -253,8 +249,7 @@ def measure(args, variant: str, model: str, size: int, compiled: bool = False) -
     except torch.cuda.OutOfMemoryError:
         row["status"] = "out of memory"
     except Exception as exc:  # one failing variant must not end the sweep
-        first = str(exc).splitlines()[0][:240] if str(exc) else ""
-        row["status"] = f"error: {type(exc).__name__}: {first}"
+        row["status"] = error_status(exc, 240)
     finally:
         del net
         if device.type == "cuda":

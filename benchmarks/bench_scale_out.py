@@ -43,10 +43,9 @@ COUNT, SIZE, MOSAIC, CHUNK, BASES = 200, 1024, 16384, 512, 10
 def make(folder: Path, count: int = COUNT, size: int = SIZE, mosaic: int = MOSAIC, base: int = 2048) -> None:
     import tifffile
 
-    from bench_bigimage import _mirror_index
+    from bench_bigimage import write_mirrored_zarr
 
     from alibi_vit.trainable import TrainableSegmenter, scribbles, synthetic_micrograph
-    from alibi_vit.trainable.writers import ZarrOutput
 
     images = folder / "images"
     images.mkdir(parents=True, exist_ok=True)
@@ -59,12 +58,7 @@ def make(folder: Path, count: int = COUNT, size: int = SIZE, mosaic: int = MOSAI
     if not (folder / "model" / "config.json").is_file():
         TrainableSegmenter().fit([image], [scribbles(truth, 3, rng=0)]).save(folder / "model")
     big, _ = synthetic_micrograph(base, seed=0)
-    idx = _mirror_index(mosaic, base)
-    out = ZarrOutput(folder / "mosaic" / f"mosaic{mosaic}.ome.zarr", (mosaic, mosaic), np.uint16, CHUNK)
-    for r in range(0, mosaic, CHUNK):
-        for c in range(0, mosaic, CHUNK):
-            out.write((slice(r, r + CHUNK), slice(c, c + CHUNK)), big[np.ix_(idx[r:r + CHUNK], idx[c:c + CHUNK])])
-    out.finish()
+    write_mirrored_zarr(folder / "mosaic" / f"mosaic{mosaic}.ome.zarr", big, mosaic, CHUNK)
     print(f"made {count} images of {size}² in {images}, a {mosaic}² mosaic and a model in {folder}", flush=True)
 
 

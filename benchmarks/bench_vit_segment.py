@@ -40,7 +40,6 @@ images and the model for a later run (``--append`` then adds its rows to the sam
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import re
@@ -58,7 +57,7 @@ import numpy as np
 BENCHMARKS = Path(__file__).resolve().parent
 ROOT = BENCHMARKS.parent
 sys.path.insert(0, str(BENCHMARKS))
-from report import command_line, environment, load_average, slug, write_report  # noqa: E402
+from report import command_line, environment, load_average, missing_modules, slug, write_report  # noqa: E402
 
 BACKBONE = "alibi_vit_small_patch14_reg4_dinov2"
 # A one-layer toy backbone: the smoke run checks the code paths, not the speed of a real ViT.
@@ -92,18 +91,13 @@ runpy.run_module("alibi_vit.cli.main", run_name="__main__", alter_sys=True)
 
 
 # ---- the inputs -------------------------------------------------------------------------------------------
-def _mirror_index(n: int, period: int) -> np.ndarray:
-    """Indices 0..n-1 folded into 0..period-1 by mirroring (0 1 … p-1 p-1 … 1 0 0 1 …)."""
-    i = np.arange(n) % (2 * period)
-    return np.where(i < period, i, 2 * period - 1 - i)
-
-
 def make_inputs(work: Path, train_size: int, image_size: int, mosaic_size: int, base: int,
                 need_mosaic: bool) -> dict:
     """The generated inputs in ``work`` (kept when already there): the training image and its scribbles,
     the grey TIFF and its ground truth (the app's strokes are drawn inside it), and the OME-Zarr mosaic.
     Returns their paths and the seconds each took to make."""
     import tifffile
+    from bench_bigimage import _mirror_index, write_mirrored_zarr
     from PIL import Image
 
     from alibi_vit.trainable import scribbles, synthetic_micrograph
@@ -133,17 +127,9 @@ def make_inputs(work: Path, train_size: int, image_size: int, mosaic_size: int, 
         np.save(paths["truth"], base_truth[np.ix_(idx, idx)].astype(np.uint8))
         made["image_s"] = round(time.perf_counter() - start, 1)
     if need_mosaic and not paths["mosaic"].exists():
-        from alibi_vit.trainable.writers import ZarrOutput
-
         start = time.perf_counter()
         part = paths["mosaic"].with_name(paths["mosaic"].name + ".part")  # complete or absent, for --work reuse
-        idx = _mirror_index(mosaic_size, base)
-        out = ZarrOutput(part, (mosaic_size, mosaic_size), np.uint16, CHUNK, name=paths["mosaic"].name)
-        for r in range(0, mosaic_size, CHUNK):
-            for c in range(0, mosaic_size, CHUNK):
-                out.write((slice(r, min(r + CHUNK, mosaic_size)), slice(c, min(c + CHUNK, mosaic_size))),
-                          base_image[np.ix_(idx[r:r + CHUNK], idx[c:c + CHUNK])])
-        out.finish()
+        write_mirrored_zarr(part, base_image, mosaic_size, CHUNK, name=paths["mosaic"].name)
         os.replace(part, paths["mosaic"])
         made["mosaic_s"] = round(time.perf_counter() - start, 1)
     return {"paths": {k: str(v) for k, v in paths.items()}, "made_seconds": made}
@@ -261,19 +247,6 @@ def status_of(run: dict, log: Path) -> str:
     if run["returncode"]:
         return f"failed (exit {run['returncode']}): {last_line(log)}"
     return "ok"
-
-
-def missing_modules(names) -> list[str]:
-    """The modules of ``names`` this Python cannot import (found without importing them)."""
-    missing = []
-    for name in names:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):  # a meta-path blocker raises rather than answering None
-            found = False
-        if not found:
-            missing.append(name)
-    return missing
 
 
 # ---- the rows ---------------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from report import RESULTS, SMOKE_RESULTS, slug  # noqa: E402
+from report import RESULTS, SMOKE_RESULTS, missing_modules, slug  # noqa: E402
 
 PHASE_LIMIT = int(os.environ.get("GPU_SUITE_LIMIT", "530"))
 # The test files that exercise the GPU: the kernel tests and the attention backends.
@@ -190,7 +190,6 @@ def env_phase(phase):
 
 def env_report(path: Path, smoke: bool):
     """Versions, device, optional modules, and one fused forward+backward against the eager reference."""
-    import importlib.util
     import math
     import platform
 
@@ -202,13 +201,8 @@ def env_report(path: Path, smoke: bool):
               "torch": torch.__version__, "triton": triton.__version__, "numpy": numpy.__version__,
               "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
               "settings": {k: v for k, v in os.environ.items() if k.startswith(("ALIBI_TRITON_", "TRITON_"))}}
-    modules = {}
-    for name in OPTIONAL_MODULES:
-        try:
-            modules[name] = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):
-            modules[name] = False
-    report["modules"] = modules
+    missing = missing_modules(OPTIONAL_MODULES)
+    report["modules"] = {name: name not in missing for name in OPTIONAL_MODULES}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         report["device"] = {"name": props.name, "capability": list(torch.cuda.get_device_capability(0)),
@@ -384,15 +378,7 @@ def train_phase(phase):
 def carried_wheels(phase, modules):
     """Install the wheels carried in ``.whl/`` into a folder of their own when ``modules`` are missing here (the
     GPU image lacks zarr and xgboost); returns the environment's PYTHONPATH addition, or None."""
-    import importlib.util
-
-    def found(name):
-        try:
-            return importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):
-            return False
-
-    missing = [m for m in modules if not found(m)]
+    missing = missing_modules(modules)
     wheels = sorted((ROOT / ".whl").glob("*.whl"))
     if not missing or not wheels:
         if missing:

@@ -39,6 +39,27 @@ def environment() -> dict:
     return env
 
 
+def missing_modules(names) -> list[str]:
+    """The modules of ``names`` this Python cannot import, found without importing them."""
+    import importlib.util
+
+    missing = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a meta-path blocker raises rather than answering None
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def error_status(exc: BaseException, width: int = 200) -> str:
+    """A benchmark row's status for a failure: the exception's type and the start of its first line."""
+    first_line = str(exc).splitlines()[0][:width] if str(exc) else ""
+    return f"error: {type(exc).__name__}: {first_line}"
+
+
 def load_average() -> list[float]:
     """The 1-, 5- and 15-minute load averages, rounded: what a benchmark row records beside its times."""
     return [round(v, 2) for v in os.getloadavg()]
