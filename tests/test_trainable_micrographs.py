@@ -251,3 +251,38 @@ def test_sparse_diagnosis_smoke_crosses_features_and_classifiers(tmp_path):
         assert math.isfinite(float(r["miou"]))
     # The same seed gives every system the same strokes.
     assert len({(r["image"], r["labelled_pixels"]) for r in rows}) == len({r["image"] for r in rows})
+
+
+def test_stroke_stability_pairs_the_draws_and_reports_the_spread_of_its_runs(tmp_path):
+    """benchmarks/bench_stroke_stability.py: every configuration gets the same strokes per image and draw,
+    scikit-image's pipeline gets its 15 features (5 σ × intensity and two Hessian eigenvalues), and the
+    reported spread is the mean over images of the population std of the runs' mIoU across draws."""
+    stability = benchmark_module("bench_stroke_stability")
+    configs = ["defaults", "thresholds on labelled values", stability.SKIMAGE]
+    assert stability.main(["--smoke", "--configs", *configs, "--out-dir", str(tmp_path)]) == 0
+    with open(tmp_path / "stroke_stability-smoke_runs.csv") as f:
+        rows = list(csv.DictReader(f))
+    report = json.loads((tmp_path / "stroke_stability-smoke.json").read_text())
+    assert [r["configuration"] for r in report["summary"]] == configs
+    strokes = {}
+    for r in rows:
+        labelled = tuple(int(r[k]) for k in r if k.startswith("labelled_"))
+        assert strokes.setdefault((r["image"], r["draw"]), labelled) == labelled
+    assert len(strokes) == 4  # two crops × two draws
+    for s in report["summary"]:
+        per_image = {}
+        for r in rows:
+            if r["configuration"] == s["configuration"]:
+                per_image.setdefault(r["image"], []).append(float(r["miou"]))
+        assert all(len(v) == 2 for v in per_image.values())
+        assert s["spread"] == pytest.approx(np.mean([abs(a - b) / 2 for a, b in per_image.values()]))
+        assert s["mean_miou"] == pytest.approx(np.mean(list(per_image.values())))
+    assert stability.skimage_features(np.zeros((8, 8), np.uint8)).shape == (8, 8, 15)
+    # The ablation's patch is undone: the defaults fit with their thresholds midway again.
+    from alibi_vit.trainable import classifier
+
+    originals = classifier.midpoint_thresholds, classifier.balanced_weights
+    with stability.patched_fit(midway=False, balanced=False):
+        assert classifier.balanced_weights(np.array([0, 0, 0, 1])).tolist() == [1, 1, 1, 1]
+        assert classifier.midpoint_thresholds is not originals[0]
+    assert (classifier.midpoint_thresholds, classifier.balanced_weights) == originals
