@@ -15,7 +15,9 @@ touches are decoded.
 
 Axes are named t, z, c, y, x. A channel axis of length 1 is dropped; 3 or 4 channels are RGB(A)
 (alpha is dropped where pixels are scaled, as for any image). Axes other than y, x and one channel
-axis (time points, z slices) index *planes*: :attr:`ChunkedImage.planes` of them, each a 2D image.
+axis (time points, z slices) index *planes*: :attr:`ChunkedImage.planes` of them, each a 2D image;
+those of length 1 are dropped too, so an NGFF ``tczyx`` store of one time point and one channel is a
+(z, y, x) volume.
 An axis order that cannot be told apart, or more than one channel axis, is an
 :class:`~alibi_vit.images.ImageReadError` naming the axes found.
 
@@ -98,7 +100,8 @@ class ChunkedImage:
         if len(self.axes) != len(shape):
             raise ImageReadError(f"{self.name}: axes {self.axes!r} do not match the array's shape {tuple(shape)}")
         self._sizes = dict(zip(self.axes, shape))
-        self.plane_axes = "".join(a for a in self.axes if a not in "yxc")
+        # Axes of length 1 besides y and x (an NGFF tczyx store of one time point) index nothing: dropped.
+        self.plane_axes = "".join(a for a in self.axes if a not in "yxc" and self._sizes[a] > 1)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -165,7 +168,7 @@ class ChunkedImage:
             elif a == "c":
                 index.append(slice(None) if self.channels > 1 else 0)
             else:
-                index.append(int(plane_index[self.plane_axes.index(a)]))
+                index.append(int(plane_index[self.plane_axes.index(a)]) if a in self.plane_axes else 0)
                 continue
             if a != "c" or self.channels > 1:
                 kept.append(a)
@@ -261,9 +264,22 @@ def _tiff_spacing(tif) -> tuple[float, float, float] | None:
     return None
 
 
+def _tiff_level(series, level: int):
+    """A zarr array over one pyramid level of a TIFF series. Its store reopens the file to read chunks and
+    keeps it open; the file is closed when the array is dropped (else each one left is an "unclosed
+    file" ResourceWarning, shown among a run's warnings)."""
+    import weakref
+
+    import zarr
+
+    store = series.aszarr(level=level)
+    array = zarr.open_array(store, mode="r")
+    weakref.finalize(array, store.close)
+    return array
+
+
 def _open_tiff(path: Path, name: str) -> ChunkedImage:
     import tifffile
-    import zarr
 
     try:
         with tifffile.TiffFile(path) as tif:
@@ -278,7 +294,7 @@ def _open_tiff(path: Path, name: str) -> ChunkedImage:
                 chunks = (min(series.shape[axes.index("y")], _SAMPLE_TILE), min(series.shape[axes.index("x")],
                                                                                   _SAMPLE_TILE))
             else:
-                levels = [zarr.open_array(series.aszarr(level=i), mode="r") for i in range(len(series.levels))]
+                levels = [_tiff_level(series, i) for i in range(len(series.levels))]
                 chunks = _chunks_yx(levels[0], axes)
             spacing = _tiff_spacing(tif) if "z" in axes else None
     except ImageReadError:

@@ -308,12 +308,18 @@ def scale_colour(array, intensity: IntensityMode = "auto", source: str = "array"
 
 
 def list_images(folder, recursive: bool = True) -> list[Path]:
-    """Image files under ``folder`` sorted by path; a missing or image-less folder is an error."""
+    """Image files under ``folder`` sorted by path, each real file once (a link to an image listed
+    beside it is not a second image); a missing or image-less folder is an error."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"image folder {folder} does not exist")
     pattern = "**/*" if recursive else "*"
-    files = sorted(p for p in folder.glob(pattern) if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+    found = sorted((p for p in folder.glob(pattern) if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS),
+                   key=lambda p: (p.is_symlink(), p))  # (glob's ** does not enter linked folders)
+    real = {}
+    for p in found:
+        real.setdefault(p.resolve(), p)
+    files = sorted(real.values())
     if not files:
         raise FileNotFoundError(f"image folder {folder} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
     return files

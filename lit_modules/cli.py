@@ -19,6 +19,9 @@ preempted and requeued on a cluster:
 - Every ``fit`` gets a :class:`~lit_modules.callbacks.LastCheckpoint` (unless the config lists
   one): ``last.ckpt`` holds the final step, and SIGTERM or SLURM's requeue signal save it at
   the next step boundary and end the command with exit code 128 + signal number.
+- Checkpoints are complete or absent (:class:`~lit_modules.checkpoint_io.AtomicCheckpointIO`,
+  unless the config names a CheckpointIO plugin): one that cannot be written (a full disk) ends
+  the run with one line naming it and the cause, exit status 1, and the earlier ones are kept.
 - A fit that fails before its first training step removes the log folder it created (no empty
   ``version_N`` left behind).
 - What the user got wrong is an error message with exit status 2, not a traceback: a
@@ -54,12 +57,14 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from alibi_vit.files import require_file
 from datamodules import DatasetLayoutError
 from lit_modules.callbacks import LastCheckpoint
+from lit_modules.checkpoint_io import AtomicCheckpointIO, CheckpointWriteError
 from lit_modules.parser_errors import ConciseArgumentParser
 
 __all__ = ["ConfigurationError", "ProjectCLI", "cli", "main", "newest_resume_checkpoint"]
@@ -230,6 +235,9 @@ class ProjectCLI(LightningCLI):
         callbacks = _as_list(trainer_cfg.get("callbacks"))
         if not any(isinstance(c, LastCheckpoint) for c in callbacks):
             kwargs["callbacks"] = [*callbacks, LastCheckpoint()]
+        plugins = _as_list(trainer_cfg.get("plugins"))
+        if not any(isinstance(p, CheckpointIO) for p in plugins):  # checkpoints complete or absent
+            kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
         return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:
@@ -249,6 +257,9 @@ class ProjectCLI(LightningCLI):
             new_dirs = sorted({_first_new_folder(d) for d in dirs if isinstance(d, str) and not os.path.exists(d)})
         try:
             self.trainer.fit(**kwargs)
+        except CheckpointWriteError:  # a full disk: one line (main); no partial checkpoint was left
+            self._remove_if_untrained(new_dirs)
+            raise
         except RuntimeError as err:
             if "Error(s) in loading state_dict" not in str(err):
                 raise
@@ -332,7 +343,8 @@ def main(args=None) -> int:
 
     Returns 0, or 2 with a message when the configuration cannot be built (weights that cannot be
     found offline, an accelerator the machine lacks, an unreadable ``--ckpt_path``, ...) or a dataset
-    root lacks the expected layout (shown after the first line); a fit stopped by SIGTERM or SLURM's
+    root lacks the expected layout (shown after the first line); 1 with a message when a checkpoint
+    cannot be written (a full disk); a fit stopped by SIGTERM or SLURM's
     requeue signal raises :class:`~lit_modules.callbacks.TrainingInterrupted`
     (``SystemExit(128 + signum)``) after saving.
     """
@@ -342,6 +354,9 @@ def main(args=None) -> int:
     except (ConfigurationError, DatasetLayoutError) as err:  # what the user gave: a message, not a traceback
         print(f"lightning: error: {err}", file=sys.stderr)
         return 2
+    except CheckpointWriteError as err:  # the disk, not the code: a message naming the file and the cause
+        print(f"lightning: error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -77,3 +77,69 @@ def gpu_image_env(tmp_path, blocked) -> dict:
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(_BLOCKER.format(blocked=set(blocked)))
     return {**os.environ, "PYTHONPATH": str(site), "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def full_disk(monkeypatch, hit) -> None:
+    """A disk that fills up: a file opened for writing (``open``, ``os.fdopen``) whose path satisfies
+    ``hit(path: str)`` takes half of the first bytes written to it, then raises ENOSPC."""
+    import builtins
+    import errno
+
+    real_open, real_fdopen = builtins.open, os.fdopen
+
+    class FullFile:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            self.f.write(data[: max(1, len(data) // 2)])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def writing(mode) -> bool:
+        return any(m in mode for m in "wax+")
+
+    def open_(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return FullFile(f) if isinstance(file, (str, os.PathLike)) and writing(mode) and hit(os.fspath(file)) else f
+
+    def fdopen(fd, mode="r", *args, **kwargs):
+        f = real_fdopen(fd, mode, *args, **kwargs)
+        return FullFile(f) if writing(mode) and hit(os.readlink(f"/proc/self/fd/{fd}")) else f
+
+    monkeypatch.setattr(builtins, "open", open_)
+    monkeypatch.setattr(os, "fdopen", fdopen)
+
+
+def serve_app(app):
+    """An ASGI app on a real uvicorn server in this process (so a client can go away mid-request):
+    (base URL, stop())."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+
+    def stop():
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", stop

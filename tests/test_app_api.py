@@ -5,7 +5,6 @@ import errno
 import io
 import json
 import os
-import socket
 import struct
 import threading
 import time
@@ -28,6 +27,7 @@ from alibi_vit.cli.main import main  # noqa: E402
 from alibi_vit.synthetic import synthetic_micrograph  # noqa: E402
 from alibi_vit.trainable import TrainableSegmenter, mean_iou, read_labels, scribbles  # noqa: E402
 from alibi_vit.trainable.cache import FeatureCache  # noqa: E402
+from tests.helpers import serve_app  # noqa: E402
 
 SIZE = 160
 
@@ -585,25 +585,6 @@ def test_another_sites_page_cannot_load_images_or_make_predictions(tmp_path, mic
     assert own.status_code == 200 and own.headers["Cross-Origin-Resource-Policy"] == "same-origin"
 
 
-def _serve(app):
-    """The app on a real uvicorn server in this process: (base URL, stop())."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-
-    def stop():
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
-
 
 def test_a_flood_of_train_requests_is_coalesced_and_abandoned_ones_dropped(tmp_path, micrograph, start):
     """200 concurrent Trains arrive while the worker is busy, from clients that give up after 1 s:
@@ -617,7 +598,7 @@ def test_a_flood_of_train_requests_is_coalesced_and_abandoned_ones_dropped(tmp_p
         client.post("/api/classes", json={"name": name})
     for value, points in strokes_from(truth).items():
         client.post("/api/images/m0/strokes", json={"class": value, "radius": 1.5, "points": points})
-    base, stop = _serve(create_app(session, engine))
+    base, stop = serve_app(create_app(session, engine))
     gate = threading.Event()
     engine.scheduler.submit(("busy",), gate.wait, 0, keep=True)   # the worker is busy (a long feature job, say)
     try:
@@ -858,3 +839,40 @@ def test_ids_of_images_and_volumes_are_safe_and_numbered_past_those_taken():
     assert unique_id("grain map", {"grain_map", "grain_map_2"}) == "grain_map_3"
     assert unique_id("..", set()) == "image"
     assert unique_id("..", {"volume"}, fallback="volume") == "volume_2"
+
+
+# ---------------------------------------------------------------------- regions and links
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e400"])
+def test_a_region_that_is_not_finite_gets_a_400_naming_it(tmp_path, micrograph, start, value):
+    """JSON as Python reads it allows NaN and ±Infinity (1e400 reads as Infinity): refused as bad
+    input, not an internal error."""
+    folder, _, _ = micrograph
+    _, _, client = start(folder, raise_server_exceptions=False)
+    body = f'{{"image": "m0", "region": [0, 0, {value}, 40]}}'
+    for path in ("/api/train", "/api/predict"):
+        answer = client.post(path, content=body, headers={"Content-Type": "application/json"})
+        assert answer.status_code == 400, (path, answer.text)
+        assert "finite" in answer.json()["detail"] and "region" in answer.json()["detail"], answer.text
+
+
+def test_a_link_to_an_image_already_listed_adds_the_image_once(tmp_path, micrograph, start):
+    """A file and a symbolic link to it (in the folder given at start, or a folder added later) are
+    one image: the real file, under its own name."""
+    folder, image, _ = micrograph
+    (folder / "alias.tif").symlink_to(folder / "m0.tif")   # sorts before m0.tif
+    sub = folder / "sub"
+    sub.mkdir()
+    tifffile.imwrite(sub / "m1.tif", image)
+    (sub / "again.tif").symlink_to(sub / "m1.tif")
+    (sub / "m0-link.tif").symlink_to(folder / "m0.tif")
+    session, _, client = start(folder)
+    state = client.get("/api/state").json()
+    assert [(i["id"], i["file"]) for i in state["images"]] == [("m0", "m0.tif")] and not state["notes"]
+    added = client.post("/api/images/add", json={"path": str(sub)})
+    assert added.status_code == 200 and added.json()["ids"] == ["m1"] and not added.json()["skipped"], added.text
+    assert [e.source for e in session.images.values()] == [folder.resolve() / "m0.tif", sub.resolve() / "m1.tif"]
+    # Given at start as a folder, a link to its image and a link to the folder: still one image each.
+    (tmp_path / "folder-link").symlink_to(folder)
+    again = Session(tmp_path / "again", [folder, folder / "alias.tif", tmp_path / "folder-link", sub],
+                    allowed_roots=[folder])
+    assert list(again.images) == ["m0", "m1"] and not again.skipped

@@ -7,6 +7,7 @@ references computed without the app (the image's levels read with zarr, numpy me
 and a segmenter fitted on the whole image as an array)."""
 
 import io
+import json
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from alibi_vit.cli.main import main  # noqa: E402
 from alibi_vit.synthetic import synthetic_micrograph  # noqa: E402
 from alibi_vit.trainable import TrainableSegmenter  # noqa: E402
 from alibi_vit.trainable.writers import ZarrOutput  # noqa: E402
+from tests.helpers import serve_app  # noqa: E402
 
 SIZE, CHUNK, TILE = 1024, 128, 252  # image px, storage chunk px, featurisation tile px (18 patches)
 
@@ -105,8 +107,9 @@ def test_tiles_come_from_the_files_pyramid_reading_only_their_chunks(tmp_path, m
     state = client.get("/api/state").json()
     (record,) = state["images"]
     assert (record["id"], record["width"], record["height"], record["chunked"]) == ("big", SIZE, SIZE, True)
-    lo, hi = session.fix_intensity()  # sampled once (a seeded sample of tiles): not counted below
+    session.fix_intensity()  # the classifier's range, from a seeded sample of tiles: not counted below
     chunk_reads.clear()
+    lo, hi = engine.display_range("big")  # the page's, fitted on level 1 (the coarsest): its 4 × 4 chunks
 
     # Zoomed out (one level-1 tile is the whole image): only the stored level 1 is read, 4 × 4 chunks.
     shown = png(client.get("/api/images/big/tiles/image/1/0/0.png"))
@@ -135,12 +138,14 @@ def test_a_level_the_file_lacks_is_built_once_into_the_session_folder(tmp_path, 
     store = folder / "flat.zarr"  # a bare array: no pyramid
     zarr.create_array(str(store), shape=image.shape, chunks=(CHUNK, CHUNK), dtype=image.dtype)[:] = image
     session, engine, client = start(folder)
-    lo, hi = session.fix_intensity()
+    session.fix_intensity()  # the classifier's range, from a seeded sample of tiles: not counted below
     chunk_reads.clear()
     mean = image.astype(np.float64).reshape(SIZE // 2, 2, SIZE // 2, 2).mean(axis=(1, 3))
-    expected = display(np.round(mean), lo, hi)  # each pixel the mean of 2 × 2, rounded (half to even)
-    np.testing.assert_array_equal(png(client.get("/api/images/flat/tiles/image/1/0/0.png")), expected)
+    shown = png(client.get("/api/images/flat/tiles/image/1/0/0.png"))
     assert len(chunks_read(chunk_reads, store)) == 64  # built from the whole image once ...
+    lo, hi = engine.display_range("flat")  # (the page's range, fitted on level 1, the coarsest)
+    expected = display(np.round(mean), lo, hi)  # each pixel the mean of 2 × 2, rounded (half to even)
+    np.testing.assert_array_equal(shown, expected)
     built = session.folder / "cache" / "pyramids" / "flat"
     assert (built / "1").is_dir()
     chunk_reads.clear()
@@ -304,7 +309,7 @@ def test_a_pyramidal_ome_tiff_is_shown_from_its_own_levels(tmp_path, micrograph,
     session, engine, client = start(folder)
     (record,) = client.get("/api/state").json()["images"]
     assert (record["id"], record["chunked"], record["width"]) == ("pyr", True, 4200)
-    lo, hi = session.fix_intensity()
+    lo, hi = engine.display_range("pyr")  # the page's range, fitted on level 4 (the coarsest, built from level 3)
     np.testing.assert_array_equal(png(client.get("/api/images/pyr/tiles/image/1/1/2.png")),
                                   display(image[::2, ::2][512:1024, 1024:1536], lo, hi))
     np.testing.assert_array_equal(png(client.get("/api/images/pyr/tiles/image/2/0/1.png")),
@@ -313,4 +318,108 @@ def test_a_pyramidal_ome_tiff_is_shown_from_its_own_levels(tmp_path, micrograph,
     np.testing.assert_array_equal(png(client.get("/api/images/pyr/tiles/image/3/0/0.png")),
                                   display(np.round(level2.reshape(525, 2, 525, 2).mean(axis=(1, 3)))[:512, :512], lo, hi))
     built = session.folder / "cache" / "pyramids" / "pyr"
-    assert sorted(p.name for p in built.iterdir() if not p.name.startswith(".")) == ["3"]
+    assert sorted(p.name for p in built.iterdir() if not p.name.startswith(".")) == ["3", "4"]
+
+
+# ---------------------------------------------------------------------- stores that lie or lead elsewhere
+def declared_store(store: Path, shape, chunks, v3: bool = False) -> None:
+    """A zarr array of uint8 whose metadata alone are written (a few hundred bytes, no chunk files)."""
+    store.mkdir()
+    if v3:
+        meta = {"zarr_format": 3, "node_type": "array", "shape": shape, "data_type": "uint8",
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
+                "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+                "fill_value": 0, "codecs": [{"name": "bytes"}], "attributes": {}}
+        (store / "zarr.json").write_text(json.dumps(meta))
+    else:
+        meta = {"zarr_format": 2, "shape": shape, "chunks": chunks, "dtype": "|u1", "compressor": None,
+                "fill_value": 0, "order": "C", "filters": None}
+        (store / ".zarray").write_text(json.dumps(meta))
+
+
+def test_a_store_declaring_more_than_the_app_takes_is_refused_from_its_metadata(tmp_path, start):
+    """The bound of images read whole (--max-megapixels, 67.1 Mpx by default) applies to what a chunked
+    image declares: 1024 times that per image, and a chunk (decoded whole) at most that."""
+    folder = tmp_path / "images"
+    folder.mkdir()
+    declared_store(folder / "liar.zarr", [2_000_000, 2_000_000], [512, 512])
+    declared_store(folder / "liar3.zarr", [2_000_000, 2_000_000], [2_000_000, 2_000_000], v3=True)
+    declared_store(folder / "onechunk.zarr", [20_000, 20_000], [20_000, 20_000])   # 400 Mpx, in one chunk
+    declared_store(folder / "fine.zarr", [20_000, 20_000], [512, 512])
+    assert (folder / "liar.zarr" / ".zarray").stat().st_size < 300
+    session, _, client = start(folder)
+    state = client.get("/api/state").json()
+    assert [(i["id"], i["width"]) for i in state["images"]] == [("fine", 20_000)]
+    notes = {n.split()[0]: n for n in state["notes"]}
+    assert sorted(notes) == ["liar.zarr", "liar3.zarr", "onechunk.zarr"]
+    for name in ("liar.zarr", "liar3.zarr"):
+        assert "declares 2000000×2000000 px = 4,000.0 Gpx" in notes[name] and "limit of 68.7 Gpx" in notes[name]
+    assert "chunks of 20000×20000" in notes["onechunk.zarr"] and "limit of 67.1 Mpx per chunk" in notes["onechunk.zarr"]
+    refused = client.post("/api/images/add", json={"path": str(folder / "liar.zarr")})
+    assert refused.status_code == 413 and refused.json()["detail"].startswith("liar.zarr declares")
+    # The cap follows --max-megapixels: a session allowing 16 times more takes the 400 Mpx chunk.
+    roomy = Session(tmp_path / "roomy", [folder / "onechunk.zarr"], max_pixels=16 << 26)
+    assert list(roomy.images) == ["onechunk"] and not roomy.skipped
+
+
+def test_a_chunk_that_leads_out_of_its_store_is_not_read(tmp_path, start):
+    """A chunk file that is a symbolic link to a file outside the store is refused (403, naming it);
+    a link to another chunk of the same store is read."""
+    folder, elsewhere = tmp_path / "images", tmp_path / "elsewhere"
+    folder.mkdir()
+    elsewhere.mkdir()
+    pixels = (np.arange(64 * 64) % 200).reshape(64, 64).astype(np.uint8)
+    for store, values in ((folder / "img.zarr", pixels), (elsewhere / "secret.zarr", np.full((64, 64), 250, np.uint8))):
+        zarr.create_array(str(store), shape=(64, 64), chunks=(32, 32), dtype=np.uint8, zarr_format=2,
+                          compressors=None)[:] = values
+    shared = folder / "img.zarr"
+    (shared / "1.0").unlink()
+    (shared / "1.0").symlink_to(shared / "1.1")   # storage shared within the store: fine
+    want = pixels.copy()
+    want[32:, :32] = pixels[32:, 32:]
+    from alibi_vit.app.imagefiles import open_chunked
+
+    np.testing.assert_array_equal(open_chunked(shared).read(), want)
+
+    (shared / "0.0").unlink()
+    (shared / "0.0").symlink_to(elsewhere / "secret.zarr" / "0.0")
+    _, _, client = start(folder)
+    refused = client.get("/api/images/img/tiles/image/0/0/0.png")
+    assert refused.status_code == 403, refused.text
+    detail = refused.json()["detail"]
+    assert "0.0 of the zarr store" in detail and "outside the store" in detail and "img.zarr" in detail
+
+
+
+def test_a_tile_whose_client_went_away_stops_being_built(tmp_path, start, monkeypatch):
+    """The coarsest tile of an image without a pyramid is built from every chunk below it (64 here,
+    each read made to take 50 ms); a client that gives up after 0.3 s leaves at most the level-1 tile
+    being built when the server saw it go (16 chunks each) behind, not the other three."""
+    import httpx
+    from zarr.storage import LocalStore
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    zarr.create_array(str(folder / "flat.zarr"), shape=(2048, 2048), chunks=(256, 256), dtype=np.uint8,
+                      zarr_format=2)[:] = np.random.default_rng(0).integers(0, 255, (2048, 2048), dtype=np.uint8)
+    session, engine, _ = start(folder)
+    session.fix_intensity()   # its sample of tiles is read before reads are slowed down
+    reads, real_get = [], LocalStore.get
+
+    async def slow_get(self, key, prototype=None, byte_range=None):
+        if not key.rsplit("/", 1)[-1].startswith((".z", "zarr.json")) and "flat.zarr" in str(self.root):
+            time.sleep(0.05)  # noqa: ASYNC251 - blocks zarr's loop: the chunks of a region are read one by one
+            reads.append(key)
+        return await real_get(self, key, prototype, byte_range)
+
+    monkeypatch.setattr(LocalStore, "get", slow_get)
+    base, stop = serve_app(create_app(session, engine))
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.get(f"{base}/api/images/flat/tiles/image/2/0/0.png", timeout=0.3)
+        time.sleep(2.0)
+        settled = len(reads)
+        time.sleep(1.0)
+        assert len(reads) == settled <= 32, (settled, len(reads))   # all 64 without the client
+    finally:
+        stop()

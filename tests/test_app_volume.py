@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import io
 import json
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -60,6 +62,17 @@ def start(tmp_path):
 def png(response) -> np.ndarray:
     assert response.status_code == 200, response.text
     return np.asarray(Image.open(io.BytesIO(response.content)))
+
+
+def finished(client, started, timeout: float = 60) -> dict:
+    """The record of a job (the answer ``started`` that began it) once it has ended."""
+    assert started.status_code == 200, started.text
+    job, deadline = started.json(), time.monotonic() + timeout
+    while job["state"] == "running":
+        assert time.monotonic() < deadline, job
+        time.sleep(0.05)
+        job = client.get(f"/api/jobs/{job['job']}").json()
+    return job
 
 
 def with_classes(client):
@@ -204,8 +217,8 @@ def test_xz_strokes_train_a_model_whose_slices_show_the_planted_layers_and_save_
         assert abs(fractions["2"] - np.mean(want == 2)) < 0.05 and abs(sum(fractions.values()) - 1) < 1e-4
     restarted = open_session(tmp_path / "session", folder)[1]  # the model is restored on a restart
     assert restarted.model == model and np.array_equal(restarted.trained().classes_, [1, 2])
-    saved = client.post("/api/volumes/v/save", json={"what": ["labels", "masks", "model"]})
-    assert saved.status_code == 200, saved.text
+    saved = finished(client, client.post("/api/volumes/v/save", json={"what": ["labels", "masks", "model"]}))
+    assert saved["state"] == "done" and saved["progress"] == 1, saved
     mask = tifffile.imread(tmp_path / "session" / "export" / "masks" / "v_mask.tif")
     assert mask.shape == truth.shape and np.mean(mask == truth) > 0.95
     labels = tmp_path / "session" / "export" / "labels" / "v_labels.zarr"
@@ -252,3 +265,102 @@ def test_a_volume_with_a_slice_over_the_pixel_limit_is_skipped_with_the_reason(t
     session = Session(tmp_path / "session", [folder], allowed_roots=[folder], volume_claim=volumes.claim)
     assert not volumes.volumes and not session.images
     assert "tall.tif is a volume of 8×8×40 voxels whose largest slice has 0.0 Mpx" in session.skipped[0]
+
+
+def test_a_volume_save_is_a_job_with_progress_and_cancel_and_slices_are_shown_meanwhile(tmp_path, start,
+                                                                                      monkeypatch):
+    """Save answers at once with a job; while its mask is being written, slices and their overlays are
+    answered; Cancel stops it and leaves no mask; a Save to the end counts its blocks (two of 140
+    slices here) as it writes them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from alibi_vit.trainable.stream import StreamLayout
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    volume, truth = layered_volume((150, 20, 20))   # class 1 above z = 75, class 2 below
+    tifffile.imwrite(folder / "v.tif", volume)
+    _, client = start(folder)
+    with_classes(client)
+    for cls, rows in ((1, (10, 60)), (2, (90, 140))):
+        for z in rows:
+            client.post("/api/volumes/v/strokes", json={"view": "xz", "index": 10, "class": cls, "radius": 1.5,
+                                                        "points": [[2, z], [17, z]]})
+    assert client.post("/api/volumes/train").status_code == 200
+    gate, real_run_tile = threading.Event(), StreamLayout.run_tile
+
+    def held_run_tile(self, *args, **kwargs):   # the mask's blocks wait until the test lets them go
+        gate.wait(30)
+        return real_run_tile(self, *args, **kwargs)
+
+    monkeypatch.setattr(StreamLayout, "run_tile", held_run_tile)
+    pool = ThreadPoolExecutor(1)
+    try:
+        started = pool.submit(client.post, "/api/volumes/v/save", json={"what": ["labels", "masks"]})
+        job = started.result(timeout=10).json()   # at once, not when the mask is written
+        assert job["state"] == "running" and job["folder"] == str(tmp_path / "session" / "export"), job
+        shown = client.get("/api/volumes/v/prediction/xy/120.png")   # the overlay of a slice, meanwhile
+        assert shown.status_code == 200 and json.loads(shown.headers["X-Fractions"])["2"] > 0.9
+        assert client.get("/api/volumes/v/slice/yz/3.png").status_code == 200
+        assert client.get(f"/api/jobs/{job['job']}").json()["state"] == "running"
+        assert client.delete(f"/api/jobs/{job['job']}").status_code == 200
+    finally:
+        gate.set()
+        pool.shutdown(wait=True)
+    cancelled = finished(client, started.result())
+    assert cancelled["state"] == "cancelled" and "labels written" in cancelled["message"], cancelled
+    export = tmp_path / "session" / "export"
+    assert (export / "labels" / "v_labels.zarr").is_dir() and not list((export / "masks").glob("*"))
+    assert not list((tmp_path / "session" / "volumes").glob(".save-*"))   # its copy of the model is gone too
+
+    posted, progress = threading.Event(), []
+
+    def counting_run_tile(self, *args, **kwargs):   # what the job says before each block
+        posted.wait(30)
+        progress.append(client.get(f"/api/jobs/{job_id}").json()["done"])
+        return real_run_tile(self, *args, **kwargs)
+
+    monkeypatch.setattr(StreamLayout, "run_tile", counting_run_tile)
+    started = client.post("/api/volumes/v/save", json={"what": ["masks"]})
+    job_id = started.json()["job"]
+    posted.set()
+    done = finished(client, started)
+    assert done["state"] == "done" and done["progress"] == 1 and "masks of v.tif" in done["message"], done
+    assert progress == [0, 1] and done["done"] == done["total"] == 2, (progress, done)
+    mask = tifffile.imread(export / "masks" / "v_mask.tif")
+    assert mask.shape == truth.shape and np.mean(mask == truth) > 0.95
+
+
+def test_a_zarr_volume_stored_in_chunks_too_large_to_read_is_skipped_from_its_metadata(tmp_path):
+    """8192³ voxels in one chunk (a 300-byte .zarray): its slices are within the limit, but every slice
+    shown would decode all 550 G voxels; a chunk may hold at most 16 × --max-megapixels voxels."""
+    folder = tmp_path / "data"
+    store = folder / "cube.zarr"
+    store.mkdir(parents=True)
+    (store / ".zarray").write_text(json.dumps({
+        "zarr_format": 2, "shape": [8192] * 3, "chunks": [8192] * 3, "dtype": "|u1", "compressor": None,
+        "fill_value": 0, "order": "C", "filters": None}))
+    (store / ".zattrs").write_text(json.dumps({"_ARRAY_DIMENSIONS": ["z", "y", "x"]}))
+    session, volumes = open_session(tmp_path / "session", folder)
+    assert not volumes.volumes and not session.images
+    assert "cube.zarr stores its pixels in chunks of 8192×8192×8192" in session.skipped[0]
+    assert "549.8 Gpx" in session.skipped[0] and "limit of 1073.7 Mpx per chunk" in session.skipped[0]
+
+
+def test_a_chunk_of_a_zarr_volume_that_leads_out_of_its_store_is_not_read(tmp_path, start):
+    import zarr
+
+    folder, elsewhere = tmp_path / "data", tmp_path / "elsewhere"
+    folder.mkdir()
+    elsewhere.mkdir()
+    for store, value in ((folder / "cube.zarr", 10), (elsewhere / "secret.zarr", 250)):
+        array = zarr.create_array(str(store), shape=(6, 10, 12), chunks=(2, 5, 6), dtype=np.uint8, zarr_format=2)
+        array[:] = value
+        array.attrs["_ARRAY_DIMENSIONS"] = ["z", "y", "x"]
+    _, client = start(folder)
+    assert client.get("/api/volumes/cube/slice/xy/1.png").status_code == 200
+    (folder / "cube.zarr" / "1.0.0").unlink()
+    (folder / "cube.zarr" / "1.0.0").symlink_to(elsewhere / "secret.zarr" / "1.0.0")
+    refused = client.get("/api/volumes/cube/slice/xy/2.png")   # z = 2 is in chunk 1.0.0
+    assert refused.status_code == 403 and "1.0.0 of the zarr store" in refused.json()["detail"], refused.text
+    assert client.get("/api/volumes/cube/slice/xy/0.png").status_code == 200   # its other chunks are read

@@ -123,6 +123,10 @@ def test_a_distillation_checkpoint_is_recognised(tmp_path, capsys):
     assert run_probe(tmp_path, "--checkpoint", str(tmp_path / "demo.ckpt"), *TINY_ARGS, "--size", "28") == 2
     err = capsys.readouterr().err
     assert "it holds a distillation run (keys student.*): export the student first" in err
+    # Also without the run's architecture (the default 12 blocks here): export records it, so point there.
+    assert run_probe(tmp_path, "--checkpoint", str(tmp_path / "demo.ckpt"), "--size", "28") == 2
+    assert (f"it holds a distillation run (keys student.*): export the student first, with alibi-vit export "
+            f"--checkpoint {tmp_path / 'demo.ckpt'} --out student.safetensors") in capsys.readouterr().err
 
 
 def test_mismatch_summary_of_a_default_size_model_stays_short(tmp_path):

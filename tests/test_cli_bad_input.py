@@ -93,6 +93,14 @@ def test_show_k_beyond_the_patch_grid_is_said_before_any_feature(tmp_path, capsy
     assert not (tmp_path / "f").exists()
 
 
+def test_show_out_that_is_a_file_asks_for_a_folder(tmp_path, capsys, no_features):
+    (tmp_path / "figure.png").write_bytes(b"")
+    assert main(["show", "--model", NAME, *TINY_ARGS, "--images", "textures", "--size", "56",
+                 "--out", str(tmp_path / "figure.png")]) == 2
+    assert _one_line_error(capsys, "show") == (f"alibi-vit show: error: --out {tmp_path / 'figure.png'}: "
+                                               f"{tmp_path / 'figure.png'} is an existing file; give a folder")
+
+
 def test_a_model_with_no_blocks_is_refused(tmp_path, capsys, no_features):
     assert main(["probe", "--model", NAME, "--model-arg", "depth=0", "--images", "noise", "--noise-count", "2",
                  "--out", str(tmp_path / "p.csv")]) == 2

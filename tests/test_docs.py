@@ -111,3 +111,14 @@ def test_every_command_option_has_help_text():
 
     missing = [option for command in SUBCOMMANDS for option in silent(subcommand_parser(command)[1], command)]
     assert not missing, "options without help: " + ", ".join(missing)
+
+
+def test_python_version_in_readme_and_install_page_is_the_one_pyproject_requires():
+    import tomllib
+
+    required = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    minimum = re.fullmatch(r">=\s*(3\.\d+)", required)
+    assert minimum, f"requires-python {required!r} is not of the form '>=3.N'"
+    for page in (README, (ROOT / "docs" / "install.md").read_text()):
+        stated = set(re.findall(r"Python\s*(?:≥|>=)\s*(3\.\d+)", page))
+        assert stated == {minimum.group(1)}, f"a page says Python ≥ {sorted(stated)}, pyproject requires {required}"

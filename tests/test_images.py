@@ -186,6 +186,9 @@ def test_list_images(tmp_path):
     Image.new("RGB", (4, 4)).save(tmp_path / "sub" / "b.PNG")
     Image.new("RGB", (4, 4)).save(tmp_path / "a.jpg")
     assert [p.name for p in list_images(tmp_path)] == ["a.jpg", "b.PNG"]
+    (tmp_path / "c_link.jpg").symlink_to("a.jpg")  # one real image under two names: listed once
+    (tmp_path / "loop").symlink_to(".")
+    assert [p.name for p in list_images(tmp_path)] == ["a.jpg", "b.PNG"]
 
 
 def test_resize_center_crop_and_normalize():

@@ -46,6 +46,23 @@ def test_probe_command_per_layer_on_a_folder(tmp_path):
     assert len(channels) == 2 * 32
 
 
+def test_probe_writes_into_its_out_folder_not_the_current_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    args = ["probe", "--model", "alibi_vit_small_patch14_reg4_dinov2", *TINY_ARGS, "--images", "noise",
+            "--noise-count", "2", "--size", "28", "--repeats", "1", "--targets", "xy", "--per-layer"]
+    assert main(args) == 0  # default: a folder of its own
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "probe_results", "probe_results/probe.csv", "probe_results/probe_channels.csv"]
+    assert main([*args, "--out", str(tmp_path / "runs" / "a")]) == 0  # a folder given: made, the tables inside
+    assert read_rows(tmp_path / "runs" / "a" / "probe.csv")[0]["model"] == "alibi_vit_small_patch14_reg4_dinov2"
+    assert (tmp_path / "runs" / "a" / "probe_channels.csv").is_file()
+    (tmp_path / "notes.txt").write_text("")
+    capsys.readouterr()
+    assert main([*args, "--out", str(tmp_path / "notes.txt")]) == 2  # said before any model is built
+    assert capsys.readouterr().err.strip() == (f"alibi-vit probe: error: --out {tmp_path / 'notes.txt'}: "
+                                               f"{tmp_path / 'notes.txt'} is an existing file; give a folder")
+
+
 def test_probe_command_reports_bad_input(tmp_path, capsys):
     assert main(["probe", "--model", "alibi_vit_small_patch14_reg4_dinov2", *TINY_ARGS,
                  "--images", str(tmp_path / "missing"), "--out", str(tmp_path / "x.csv")]) == 2

@@ -95,6 +95,57 @@ def test_colliding_names_each_get_their_own_mask_and_csv_row(data, tmp_path, cap
     assert not (out / LOCK_NAME).exists()
 
 
+def test_links_and_link_loops_are_followed_to_each_real_image_once(data, tmp_path, capsys):
+    """A folder holding ``self -> .`` (a loop: 40 levels deep before the system refuses) and a link to its
+    image: --recursive segments the one real image once, and its CSV holds one row."""
+    from alibi_vit.trainable.io import list_image_files
+
+    root, (model, _) = data
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "x.tif").write_bytes((root / "a" / "x.tif").read_bytes())
+    (folder / "self").symlink_to(".")
+    (folder / "link.tif").symlink_to("x.tif")
+    assert list_image_files([folder], recursive=True) == [folder / "x.tif"]
+    other = tmp_path / "in2"  # a link to a folder above: another loop
+    (other / "sub").mkdir(parents=True)
+    (other / "x.tif").symlink_to(folder / "x.tif")
+    (other / "sub" / "up").symlink_to("..")
+    assert list_image_files([other], recursive=True) == [other / "x.tif"]
+    assert list_image_files([folder, folder / "x.tif", folder / "self"], recursive=True) == [folder / "x.tif"]
+    out = tmp_path / "out"
+    assert main(["segment", "apply", "--model", str(model), "--images", str(folder), str(folder / "self"),
+                 "--recursive", "--out", str(out)]) == 0
+    assert "segmented 1 of 1" in capsys.readouterr().out
+    assert set(_csv_rows(out / "area_fractions.csv")) == {"x.tif"}
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*_mask.png")) == ["x_mask.png"]
+
+
+def test_a_full_disk_names_the_file_and_leaves_no_lock(data, tmp_path, capsys, monkeypatch):
+    """The disk fills up while the lock, a mask, the CSV or the colour key is written: one line naming that
+    file, exit status 2, no lock left behind (the next run is not refused) and no partial file."""
+    from tests.helpers import full_disk
+
+    root, (model, _) = data
+    cases = [(LOCK_NAME, f"{LOCK_NAME}: No space left on device"),
+             ("x_mask.png", "x_mask.png: No space left on device; outputs written before stay valid"),
+             ("area_fractions", "area_fractions.csv: No space left on device; outputs written before stay valid"),
+             ("colour_key", "colour_key.png: No space left on device")]
+    for i, (name, named) in enumerate(cases):
+        out = tmp_path / f"out{i}"
+        with monkeypatch.context() as patched:
+            full_disk(patched, lambda path: path.startswith(str(out)) and name in Path(path).name)
+            assert main(["segment", "apply", "--model", str(model), "--images", str(root / "b"),
+                         "--out", str(out)]) == 2
+        err = _one_line_error(capsys)
+        assert err.startswith("alibi-vit segment: error: ") and str(out) in err and err.endswith(named), err
+        assert not (out / LOCK_NAME).exists() and not [p for p in out.rglob("*") if ".tmp" in p.name
+                                                       or ".part" in p.name]
+    # No stale lock: a run on the freed disk goes ahead.
+    assert main(["segment", "apply", "--model", str(model), "--images", str(root / "b"),
+                 "--out", str(tmp_path / "out0")]) == 0
+
+
 def test_a_folder_of_another_model_or_crf_is_refused_naming_the_difference(data, tmp_path, capsys):
     root, (model, other) = data
     out = tmp_path / "out"

@@ -238,7 +238,8 @@ def test_three_shares_merged_equal_one_run(data, cluster, tmp_path, capsys, monk
 
 def test_shards_split_the_inputs_every_nth_image(data, tmp_path):
     root, _ = data
-    args = type("Args", (), {"images": [root / "in"], "recursive": False, "slice_folders": False})
+    args = type("Args", (), {"images": [root / "in"], "recursive": False, "slice_folders": False,
+                             "out": tmp_path / "out"})
     files, names = segment_cli._apply_inputs(args)
     rows = [n.row for n in names]
     assert rows == sorted(rows) and len(rows) == 7

@@ -350,3 +350,78 @@ def test_recursive_apply_mirrors_subfolders(files, trained_model, tmp_path):
     assert (tmp_path / "b" / "sub" / "m1_overlay.png").is_file()
     names = [r.split(",")[0] for r in (tmp_path / "b" / "area_fractions.csv").read_text().splitlines()[1:]]
     assert names == ["m0.tif", "sub/m1.tif", "mean", "std"]
+
+
+def _last_error(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("alibi-vit segment: error: "), err
+    return err[-1]
+
+
+def test_tifffile_notes_are_one_warning_naming_the_file(tmp_path, capsys):
+    """tifffile logs what it cannot parse (here ImageJ metadata promising 5 slices in a 1-page file) and reads
+    the pixels regardless: one warning of the command naming the file, not tifffile's bare log lines."""
+    from alibi_vit.cli.main import main
+
+    image, mask = synthetic_micrograph((48, 64), seed=0)
+    tifffile.imwrite(tmp_path / "ij.tif", image, description="ImageJ=1.11a\nimages=5\nslices=5\n", metadata=None)
+    Image.fromarray(scribbles(mask, 2, rng=0).astype(np.uint8)).save(tmp_path / "ij_labels.png")
+    assert main(["segment", "train", "--images", str(tmp_path / "ij.tif"), "--labels", str(tmp_path / "ij_labels.png"),
+                 "--trees", "3", "--out", str(tmp_path / "m")]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "ImageJ" in line]
+    assert lines == ["alibi-vit segment: warning: ij.tif: ImageJ series metadata invalid or corrupted file (tifffile)"]
+
+
+def test_out_equal_to_images_does_not_segment_its_own_outputs(files, trained_model, tmp_path, capsys):
+    from alibi_vit.cli.main import main
+
+    root, masks = files
+    folder = tmp_path / "both"
+    folder.mkdir()
+    for p in (root / "images").iterdir():
+        (folder / p.name).write_bytes(p.read_bytes())
+    for _ in range(2):  # the second run finds the first one's masks, overlays and colour key in --images
+        assert main(["segment", "apply", "--model", str(trained_model), "--images", str(folder),
+                     "--out", str(folder)]) == 0
+    captured = capsys.readouterr()
+    assert "note: 5 file(s) in --out" in captured.err and "segmented 2 of 2 image(s)" in captured.out
+    names = [r.split(",")[0] for r in (folder / "area_fractions.csv").read_text().splitlines()[1:]]
+    assert names == ["m0.tif", "m1.tif", "mean", "std"]
+    assert not list(folder.glob("*_mask_*")) and not list(folder.glob("*_overlay_*"))
+
+
+def test_shard_values_starting_with_a_dash_and_bad_memory_sizes_name_the_option(files, trained_model, tmp_path,
+                                                                                capsys):
+    from alibi_vit.cli.main import main
+
+    root, _ = files
+    common = ["segment", "apply", "--model", str(trained_model), "--images", str(root / "images"),
+              "--out", str(tmp_path / "out")]
+    assert main([*common, "--shard", "-1/2"]) == 2  # argparse alone: "expected one argument"
+    assert _last_error(capsys) == "alibi-vit segment: error: --shard -1/2: the share I must be in 0..1"
+    for option in ("--worker-memory", "--slurm-memory"):
+        with pytest.raises(SystemExit) as stop:
+            main([*common, option, "lots"])
+        assert stop.value.code == 2
+        assert f"argument {option}: expected a size such as 2GB, 512MiB or 1.5G, got 'lots'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_colour_key_is_legible_and_fits_its_text(files, trained_model, tmp_path):
+    from alibi_vit.trainable.io import palette
+
+    root, _ = files
+    assert run(["apply", "--model", str(trained_model), "--images", str(root / "images" / "m0.tif"),
+                "--out", str(tmp_path / "out")]) == 0
+    key = np.asarray(Image.open(tmp_path / "out" / "colour_key.png").convert("RGB")).astype(int)
+    swatches = np.zeros(key.shape[:2], bool)
+    for c in (1, 2, 3):
+        swatches |= (key == palette(3)[c]).all(-1)
+    text = key.max(-1) < 100  # dark pixels right of the swatches: the class names
+    text[:, : np.where(swatches.any(0))[0].max() + 3] = False
+    rows = np.where(text.any(1))[0]
+    runs = np.split(rows, np.where(np.diff(rows) > 1)[0] + 1)
+    assert len(runs) == 3  # one name per class
+    assert all(len(r) >= 12 for r in runs), [len(r) for r in runs]  # letters at least 12 px tall
+    cols = np.where(text.any(0))[0]
+    assert cols.max() < key.shape[1] - 2 and rows.max() < key.shape[0] - 2  # nothing cut off at the edges

@@ -19,6 +19,7 @@ from lightning.pytorch import Callback
 pytest.importorskip("jsonargparse", reason="the lightning CLI needs jsonargparse (the GPU image lacks it)")
 from lit_modules.callbacks import LastCheckpoint, TrainingInterrupted  # noqa: E402
 from lit_modules.cli import cli, main  # noqa: E402
+from tests.helpers import full_disk  # noqa: E402
 
 # In-process CLI runs see pytest's own argv too; Lightning warns about that, harmlessly.
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
@@ -311,3 +312,20 @@ def test_lightning_adverts_and_its_own_deprecation_warning_are_not_shown(tmp_pat
     assert any("GPU available" in r.getMessage() for r in caplog.records)  # Lightning's log is still there
     assert not [r for r in caplog.records if "Tip:" in r.getMessage()]
     assert not [w for w in recwarn if "LeafSpec" in str(w.message)]
+
+
+def test_a_full_disk_keeps_the_last_complete_checkpoint_and_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    assert main(["fit", "--config", DEMO, f"--run_dir={run_dir}", *FAST, "--trainer.max_steps=2"]) == 0
+    last = run_dir / "checkpoints" / "last.ckpt"
+    before = last.read_bytes()
+    capsys.readouterr()
+    full_disk(monkeypatch, lambda path: ".ckpt" in path)  # the checkpoints' disk fills up
+    assert main(["fit", "--config", DEMO, f"--run_dir={run_dir}", *FAST, "--trainer.max_steps=4",
+                 "--ckpt_path=last"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"lightning: error: cannot write checkpoint {last}: No space left on device; the checkpoints "
+                   "written before are kept")
+    assert last.read_bytes() == before and load(last)["global_step"] == 2  # not a truncated step 4
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]  # no partial file left

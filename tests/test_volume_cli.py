@@ -166,3 +166,70 @@ def test_a_volume_on_a_local_cluster_writes_the_model_prediction_with_the_given_
         rows = list(csv.DictReader(f))
     assert [r["image"] for r in rows if r["image"] not in ("mean", "std")] == ["v.tif"]  # one row per volume
     assert float(rows[0]["fraction_1"]) == pytest.approx((mask == 1).mean(), abs=1e-6)
+
+
+def _ngff_store(path, data, axes, scale):
+    """An NGFF 0.4 OME-Zarr image of ``data`` with the named ``axes`` and a level-0 ``scale`` transform."""
+    import zarr
+
+    group = zarr.open_group(str(path), mode="w", zarr_format=2)
+    group.create_array("0", shape=data.shape, chunks=data.shape, dtype=data.dtype)[:] = data
+    kinds = {"t": "time", "c": "channel"}
+    group.attrs["multiscales"] = [{"version": "0.4", "axes": [{"name": a, "type": kinds.get(a, "space")} for a in axes],
+                                   "datasets": [{"path": "0", "coordinateTransformations": [
+                                       {"type": "scale", "scale": list(scale)}]}]}]
+
+
+def test_an_ngff_tczyx_volume_of_one_time_point_and_channel_is_a_volume(stack, tmp_path, capsys):
+    root, volume, _, _ = stack
+    _ngff_store(tmp_path / "t.ome.zarr", volume[None, None], "tczyx", (1, 1, 2, 1, 1))
+    assert open_image(tmp_path / "t.ome.zarr").is_volume  # the singleton t and c axes are dropped
+    assert main(["segment", "apply", "--model", str(root / "m"), "--images", str(tmp_path / "t.ome.zarr"),
+                 "--out", str(tmp_path / "o")]) == 0
+    mask = open_image(tmp_path / "o" / "t_mask.ome.zarr").read_box(slice(None), slice(None), slice(None))
+    np.testing.assert_array_equal(mask, TrainableSegmenter.load(root / "m").predict([volume])[0])
+    # A model of 2D images names it as a volume; --features 2d says what it takes slice by slice.
+    assert run(["train", "--images", str(root / "img"), "--labels", str(root / "lab"), "--features", "2d",
+                "--trees", "3", "--out", str(tmp_path / "m2")]) == 0
+    for extra, said in (([], "t.ome.zarr is a volume but the model"),
+                        (["--features", "2d"], "t.ome.zarr is a zarr volume: --features 2d segments TIFF stacks")):
+        assert main(["segment", "apply", "--model", str(tmp_path / "m2"), "--images", str(tmp_path / "t.ome.zarr"),
+                     *extra, "--out", str(tmp_path / "o3")]) == 2
+        assert said in _one_line_error(capsys)
+    # Several time points stay planes along t: refused by the volume model, named as such.
+    _ngff_store(tmp_path / "tt.ome.zarr", np.stack([volume[None]] * 2), "tczyx", (1, 1, 2, 1, 1))
+    assert main(["segment", "apply", "--model", str(root / "m"), "--images", str(tmp_path / "tt.ome.zarr"),
+                 "--out", str(tmp_path / "o2")]) == 2
+    assert "tt.ome.zarr is 48 planes along tz (axes tczyx)" in _one_line_error(capsys)
+
+
+def test_a_volume_model_names_uneven_pages_and_a_colour_image(stack, tmp_path, capsys):
+    root, volume, _, _ = stack
+    with tifffile.TiffWriter(tmp_path / "uneven.tif") as tif:
+        for page in [volume[0]] * 2 + [volume[0, :, :20]]:
+            tif.write(page, photometric="minisblack")
+    assert main(["segment", "apply", "--model", str(root / "m"), "--images", str(tmp_path / "uneven.tif"),
+                 "--out", str(tmp_path / "o")]) == 2
+    assert _one_line_error(capsys) == (f"alibi-vit segment: error: {tmp_path / 'uneven.tif'}: page 2 is 32×20 uint16 "
+                                       "but page 0 is 32×32 uint16: the pages of a stack must share one size and dtype")
+    tifffile.imwrite(tmp_path / "rgb.tif", np.zeros((32, 32, 3), np.uint8), photometric="rgb")
+    assert main(["segment", "apply", "--model", str(root / "m"), "--images", str(tmp_path / "rgb.tif"),
+                 "--out", str(tmp_path / "o")]) == 2
+    assert (f"{tmp_path / 'rgb.tif'} is one 2D RGB image (3 samples per pixel, axes yxc), not a grey volume, but the "
+            "model") in _one_line_error(capsys)
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_voxel_spacing_used_is_said_and_recorded_per_volume(stack, tmp_path, capsys):
+    import json
+
+    root = stack[0]
+    for extra, spacing, origin in (([], [2.0, 1.0, 1.0], "the file's metadata"),
+                                   (["--spacing", "4,1,1"], [4.0, 1.0, 1.0], "--spacing")):
+        out = tmp_path / f"o{len(extra)}"
+        assert main(["segment", "apply", "--model", str(root / "m"), "--images", str(root / "img"), *extra,
+                     "--out", str(out)]) == 0
+        said = f"voxel spacing z,y,x {','.join(f'{v:g}' for v in spacing)} ({origin}): v.tif\n"
+        assert said in capsys.readouterr().err
+        manifest = json.loads((out / "segment_run.json").read_text())
+        assert manifest["images"]["v.tif"]["voxel_spacing"] == spacing

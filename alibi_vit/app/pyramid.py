@@ -9,9 +9,12 @@ window, never with the image.
 - A chunked image (:class:`~alibi_vit.chunked.ChunkedImage`): a level that the file stores (an
   OME-Zarr or pyramidal OME-TIFF level of that size, or one row or column smaller) is read where
   a tile asks, only the storage chunks the tile touches. A level the file does not store is built
-  from the level below it, tile by tile as the tiles are asked for, into a zarr store in the
-  session folder, so each of its tiles is computed once (a file without a pyramid costs one read
-  of the whole image at the coarsest level, then nothing).
+  tile by tile as the tiles are asked for, into a zarr store in the session folder, so each of its
+  tiles is computed once: a level ``COARSE`` times or more coarser than the nearest finer level the
+  file stores is read from a few rows of that level (the middle row of each block, averaged along
+  the row: 1/``COARSE`` of the pixels or less), so a big file without a pyramid is shown zoomed out
+  at once instead of after a read of the whole image; a finer one is built from the level below it
+  (each pixel the mean of 2 × 2), when it is asked for.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ import numpy as np
 from ..chunked import ChunkedImage
 from ..trainable.writers import downsample
 from .errors import SessionError
+from .scheduler import request_checkpoint
 
 __all__ = ["TILE", "Pyramid", "level_shapes", "tile_region"]
 
 TILE = 512  # px of a display tile, at its level
+COARSE = 8  # a level the file lacks, at least this many times coarser than a level it stores, is read strided
+ROW_SAMPLES = 8  # pixels of a block's middle row averaged into a pixel of such a coarse level
 
 
 def level_shapes(shape) -> list[tuple[int, int]]:
@@ -157,8 +163,38 @@ class Pyramid:
         with lock:  # a tile asked for twice at once is built once (locks are taken coarse level first)
             if done.exists():
                 return
+            request_checkpoint()  # the request that wants it has gone: stop (a coarse tile can take the whole image)
             rows, cols = tile_region(self.shapes, level, r, c)
+            coarse = self._coarse_source(level)
+            if coarse is not None:
+                array[rows, cols] = self._strided(rows, cols, *coarse)
+                return
             below_h, below_w = self.shapes[level - 1]
             below = self.region(level - 1, slice(2 * rows.start, min(2 * rows.stop, below_h)),
                                 slice(2 * cols.start, min(2 * cols.stop, below_w)))
             array[rows, cols] = _halve(below)
+
+    def _coarse_source(self, level: int) -> tuple[int, int] | None:
+        """(finer display level the file stores, stride) when ``level`` is read strided from it (it is at
+        least COARSE times coarser), else None (built from the level below)."""
+        finer = max(s for s in self._stored if s < level)  # level 0, the image itself, is always stored
+        stride = 1 << (level - finer)
+        return (finer, stride) if stride >= COARSE else None
+
+    def _strided(self, rows: slice, cols: slice, finer: int, stride: int) -> np.ndarray:
+        """Pixels of a region of a coarse level read from the stored level ``finer``: each pixel the mean
+        of ROW_SAMPLES pixels, evenly spaced, along the middle row of its stride × stride block there (one
+        row in ``stride`` is read: a contiguous file or a file of strips reads no other row)."""
+        level = self._stored[finer]
+        sh, sw = self.image.level_shape(level)
+        n_rows, n_cols = rows.stop - rows.start, cols.stop - cols.start
+        step = max(1, stride // ROW_SAMPLES)
+        per_block = stride // step
+        y0 = min(rows.start * stride + stride // 2, sh - 1)
+        x0 = min(cols.start * stride + step // 2, sw - 1)
+        block = self.image.read(slice(y0, min(y0 + (n_rows - 1) * stride + 1, sh), stride),
+                                slice(x0, min(cols.stop * stride, sw), step), level=level)
+        block = _pad_to(block, n_rows, n_cols * per_block)  # the last block of the image: edge repeated
+        samples = block.reshape((n_rows, n_cols, per_block) + block.shape[2:]).astype(np.float32)
+        mean = samples.mean(axis=2)
+        return mean.round().astype(block.dtype) if block.dtype.kind in "iub" else mean.astype(block.dtype)

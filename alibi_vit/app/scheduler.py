@@ -17,11 +17,17 @@ work such as the features of every image opened before, a 4096² image among the
 - A task submitted for requests (``keep=False``) is dropped once every request that asked for it
   has gone away (the client disconnected): before it starts, or at its next checkpoint. A flood of
   abandoned requests leaves nothing behind.
+
+Work a request does on its own thread rather than the worker (building a display tile) is dropped the
+same way: the request marks it abandoned (:func:`abandoned_when`) and the work calls
+:func:`request_checkpoint` between steps.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import heapq
 import itertools
 import threading
@@ -30,7 +36,10 @@ from concurrent.futures import Future
 
 from .errors import SessionError
 
-__all__ = ["Cancelled", "Scheduler", "Task"]
+__all__ = ["Cancelled", "Scheduler", "Task", "abandoned_when", "request_checkpoint"]
+
+# Set while a request's own work runs (copied into the thread it runs on): set once its client has gone.
+_abandoned: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("abandoned", default=None)
 
 
 class _GiveWay(BaseException):
@@ -221,6 +230,25 @@ class Scheduler:
         """Whether a task runs or waits."""
         with self._cond:
             return self._current is not None or self._peek() is not None
+
+
+@contextlib.contextmanager
+def abandoned_when(gone: threading.Event):
+    """Within the block, work started in this context (and the threads and tasks it is copied into)
+    is abandoned once ``gone`` is set: its :func:`request_checkpoint` stops it."""
+    token = _abandoned.set(gone)
+    try:
+        yield
+    finally:
+        _abandoned.reset(token)
+
+
+def request_checkpoint() -> None:
+    """Called between steps of work a request does on its own thread: a 499 :class:`Cancelled` once
+    its client has gone (:func:`abandoned_when`); nothing outside such work."""
+    gone = _abandoned.get()
+    if gone is not None and gone.is_set():
+        raise Cancelled("the client went away: its work was stopped", status=499)
 
 
 def _copy(source: Future, target: Future) -> None:

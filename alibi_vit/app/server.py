@@ -5,7 +5,9 @@ with readable 4xx answers) served by uvicorn: both well kept, pure Python wheels
 Python data tools' local servers are usually built on. Quick handlers are plain functions, which
 FastAPI runs on a thread pool; handlers that wait for compute (Train, predictions) are coroutines
 awaiting the engine's worker, so any number of waiting requests holds no thread, and a request
-whose client has gone away stops waiting (its work is dropped if nobody else waits for it).
+whose client has gone away stops waiting (its work is dropped if nobody else waits for it). Display
+tiles, which may build a level the file lacks, run on the thread pool and stop being built when
+their client has gone (:func:`while_connected`).
 
 Every answer is JSON or PNG; every error is JSON ``{"detail": ...}`` (a 500 too). Which requests
 are refused, and how, is in docs/app.md "Security" and API.md "Who may ask".
@@ -17,6 +19,7 @@ import asyncio
 import errno
 import json
 import secrets
+import threading
 import traceback
 from pathlib import Path
 from typing import Literal
@@ -31,7 +34,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import MutableHeaders
 
 from .engine import NOW, Engine
+from .imagefiles import OutsideStore
 from .pyramid import TILE
+from .scheduler import Cancelled, abandoned_when
 from .session import MAX_POINTS, Session, SessionError, not_saved
 from .volume import Volumes
 
@@ -131,6 +136,23 @@ async def outcome(request: Request, engine: Engine, task):
         engine.scheduler.release(task)
 
 
+async def while_connected(request: Request, fn, *args):
+    """``fn(*args)`` on the thread pool, for as long as the client waits: when it goes away first, the
+    request stops waiting and the work stops at its next :func:`~alibi_vit.app.scheduler.request_checkpoint`
+    (a display tile of a level the file does not store can take the whole image below it)."""
+    gone = threading.Event()
+    with abandoned_when(gone):  # the task copies the context now: the thread it runs on sees the mark
+        work = asyncio.ensure_future(run_in_threadpool(fn, *args))
+    while True:
+        done, _ = await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return work.result()
+        if await request.is_disconnected():
+            gone.set()
+            work.add_done_callback(lambda w: w.cancelled() or w.exception())  # its error is nobody's to see
+            raise SessionError("the client went away", status=499)
+
+
 def _same_site(request: Request) -> bool:
     """Whether a request comes from the app's own page (or none): browsers say where a request comes
     from in Sec-Fetch-Site, also for the GETs an <img> or <script> tag makes, which carry no Origin.
@@ -226,7 +248,8 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
 
     @app.exception_handler(ValueError)
     async def value_error(request: Request, err: ValueError):  # the engine's checks of images and labels
-        return JSONResponse({"detail": str(err)}, status_code=400)
+        refused = isinstance(err.__cause__, OutsideStore)  # a chunk that leads out of its store: as a link out
+        return JSONResponse({"detail": str(err)}, status_code=403 if refused else 400)
 
     @app.exception_handler(OSError)
     async def os_error(request: Request, err: OSError):
@@ -279,9 +302,9 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
         return png(engine.display_png(image_id))
 
     @app.get("/api/images/{image_id}/tiles/{layer}/{level}/{row}/{col}.png")
-    def tile(image_id: str, layer: Literal["image", "labels", "prediction", "uncertainty"], level: int, row: int,
-             col: int):
-        data, headers = engine.tile(image_id, layer, level, row, col)
+    async def tile(request: Request, image_id: str, layer: Literal["image", "labels", "prediction", "uncertainty"],
+                   level: int, row: int, col: int):
+        data, headers = await while_connected(request, engine.tile, image_id, layer, level, row, col)
         return png(data, headers)
 
     @app.post("/api/images/{image_id}/open")
@@ -468,7 +491,23 @@ def add_volume_routes(app: FastAPI, session: Session, engine: Engine, volumes: V
         return {"model": await on_worker(request, ("volume-train",), volumes.train)}
 
     @app.post("/api/volumes/{volume_id}/save")
-    async def volume_save(request: Request, volume_id: str, body: VolumeSaveBody):
-        volumes.entry(volume_id)
-        return await on_worker(request, ("volume-save", volume_id, tuple(body.what)),
-                               lambda: volumes.save(volume_id, engine.out, body.what))
+    def volume_save(volume_id: str, body: VolumeSaveBody):
+        """A background job (as a 2D Save), off the worker: slices and overlays are shown meanwhile."""
+        what, name = volumes.check_save(volume_id, body.what), volumes.entry(volume_id).name
+
+        def run(job):
+            written = {}
+
+            def progress(done, total):
+                job.done, job.total = done, total
+                if job.cancelled.is_set():
+                    raise Cancelled("cancelled")
+
+            try:
+                volumes.save(volume_id, engine.out, what, progress, written)
+            except Cancelled:
+                kept = f"; {', '.join(written)} written" if written else ""
+                return job.finish("cancelled", f"cancelled after {job.done} of {job.total} steps{kept}")
+            job.finish("done", f"saved {', '.join(written)} of {name} to {engine.out}")
+
+        return engine.start_job(1, engine.out, run).record()

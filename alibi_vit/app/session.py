@@ -22,8 +22,9 @@ and is created with the permissions the user's umask gives any new file (as expo
 
 Files are read only from the folders the app was given, the session folder and ``--out``: a
 symbolic link inside them that points elsewhere is not followed, and a file whose path has come to
-point elsewhere since it was added is not read. One session holds images of one pixel kind (one
-bit depth, grey or colour; :mod:`~alibi_vit.app.imagefiles`).
+point elsewhere since it was added is not read. Each real file is one image, however many links
+or folders given lead to it. One session holds images of one pixel kind (one bit depth, grey or
+colour; :mod:`~alibi_vit.app.imagefiles`).
 """
 
 from __future__ import annotations
@@ -377,6 +378,7 @@ class Session:
         for path, (pages, chunked) in found:
             if (path, None) in known or (path, 0) in known:
                 continue
+            known.add((path, None))  # a file listed twice (through a link, a folder given twice) is one image
             reason = self._kind_refusal(path.name, pages[0][1], kind, chosen)
             if reason:
                 refused.append(reason)
@@ -392,12 +394,19 @@ class Session:
             self.images, self.kind = images, kind
         return list(entries), refused
 
-    def _inspect_files(self, files, explicit: Path | None = None) -> tuple[list, list[SessionError]]:
+    def _inspect_files(self, files, explicit: Path | None = None,
+                       seen: set | None = None) -> tuple[list, list[SessionError]]:
         """Inspect image files; a file other than ``explicit`` must lie in the allowed folders once
-        its links are followed. Returns ([(resolved path, pages)], why the others were skipped)."""
+        its links are followed. Returns ([(resolved path, pages)], why the others were skipped).
+        ``seen``: resolved paths met before (updated): each real file is inspected once, however many
+        links or folders given lead to it."""
         found, skipped = [], []
+        seen = set() if seen is None else seen
         for f in files:
             real = f.resolve()
+            if real in seen:
+                continue
+            seen.add(real)
             if f != explicit and not self._inside(real):
                 skipped.append(SessionError(f"{f.name} is a link to {real}, outside the folders this app was started "
                                             "with: not added", status=403))
@@ -416,10 +425,11 @@ class Session:
         """Add the files and folders given at start; returns why files were skipped."""
         from ..trainable.io import list_image_files
 
-        found, skipped = [], []
+        found, skipped, seen = [], [], set()
         for src in sources:
             src = Path(src)
-            inspected, why = self._inspect_files(list_image_files([src]), explicit=src if src.is_file() else None)
+            inspected, why = self._inspect_files(list_image_files([src]), explicit=src if src.is_file() else None,
+                                                 seen=seen)
             found += inspected
             skipped += why
         with self.lock:
@@ -428,8 +438,8 @@ class Session:
 
     def add_path(self, path) -> tuple[list[str], list[str]]:
         """Add an image file, or every image of a folder, from inside the allowed folders; returns
-        (new ids, why files of the folder were skipped). A file that cannot be added is an error; a
-        file already in the session is not added twice."""
+        (new ids, why files of the folder were skipped). One image (a file, a zarr store) that cannot be
+        added is an error; a file already in the session is not added twice."""
         from ..trainable.io import list_image_files
 
         try:
@@ -443,7 +453,7 @@ class Session:
         with self.lock:
             ids, refused = self._admit(found)
         skipped += refused
-        if skipped and path.is_file():
+        if skipped and files == [path]:  # one image (a file, a zarr store), not a folder of them
             raise skipped[0]
         return ids, [str(err) for err in skipped]
 
@@ -502,7 +512,7 @@ class Session:
                 return self._read[image_id]
         refuse_relinked(entry.source, f"image {entry.name}")
         try:
-            image = open_chunked(entry.source) if entry.chunked else \
+            image = open_chunked(entry.source, self.max_pixels) if entry.chunked else \
                 read_images(entry.source, self.max_pixels)[entry.page or 0]
         except SessionError:
             raise

@@ -16,17 +16,20 @@ trained on 3D features and predicted a slice at a time.
   never the whole volume; the last few slices predicted are kept per model.
 - **Save** writes the label volume as ``labels/<stem>_labels.zarr`` (what ``segment train`` pairs with
   the volume), the model, and the volume's mask as ``segment apply`` writes it (a TIFF stack for a TIFF
-  or slice folder, OME-Zarr for a zarr), streamed block by block.
+  or slice folder, OME-Zarr for a zarr), streamed block by block. It is a background job (with
+  progress and Cancel) on a thread of its own, with its own copy of the model: slices and their
+  overlays are shown meanwhile.
 
 Session folder: ``volumes.json`` lists the volumes (source, shape); ``volumes/<id>/labels.zarr`` holds
 the labels (only the 64³ blocks holding a label exist), ``volumes/<id>/strokes.json`` the strokes (for
-undo and a restart), ``volumes/model/`` the last trained volume model. Compute runs on the engine's
-worker (:mod:`~alibi_vit.app.scheduler`), so it never competes with the 2D images' compute.
+undo and a restart), ``volumes/model/`` the last trained volume model. Train and overlays run on the
+engine's worker (:mod:`~alibi_vit.app.scheduler`), so they never compete with the 2D images' compute.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 import threading
 from collections import OrderedDict
@@ -36,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import SessionError
-from .imagefiles import DEFAULT_MAX_PIXELS
+from .imagefiles import DEFAULT_MAX_PIXELS, STACK_IMAGES, check_chunked, confined
 from .session import not_saved, png_bytes, refuse_relinked, remember, stroke_footprint, unique_id, write_atomic
 from .volume_labels import SparseVolumeLabels
 
@@ -144,7 +147,9 @@ class Volumes:
         folder of numbered slices): its id (also when it was added before), else None. ``taken``: ids
         of the session's 2D images, not reused. A file that claims to be a volume but cannot be read
         as one (pages of different sizes) is a ValueError; one whose largest slice in any view has
-        more than ``max_pixels`` pixels a 413 SessionError."""
+        more than ``max_pixels`` pixels, or that is stored in chunks of more than ``STACK_IMAGES`` ×
+        ``max_pixels`` voxels (each decoded whole), a 413 SessionError. A zarr volume is read
+        :func:`~alibi_vit.app.imagefiles.confined` to its store."""
         from ..chunked import open_volume
         from ..images import ImageReadError
         from ..trainable.output_folder import image_stem
@@ -165,12 +170,13 @@ class Volumes:
                 raise SessionError(f"{path.name} is a volume of {nx}×{ny}×{nz} voxels whose largest slice has "
                                    f"{max(ny * nx, nz * nx, nz * ny) / 1e6:.1f} Mpx, over the app's limit of "
                                    f"{self.max_pixels / 1e6:.1f} Mpx per image (--max-megapixels)", status=413)
+            check_chunked(image, path.name, self.max_pixels, chunk_pixels=STACK_IMAGES * self.max_pixels)
             volume_id = unique_id(image_stem(path), {*self.volumes, *taken}, fallback="volume")
             entry = VolumeEntry(volume_id, path, tuple(int(n) for n in image.volume_shape))
             volumes = {**self.volumes, volume_id: entry}
             self._save(volumes)
             self.volumes = volumes
-            self._opened[volume_id] = image
+            self._opened[volume_id] = confined(image)
             return volume_id
 
     # ---- reading ------------------------------------------------------------------------------
@@ -181,23 +187,28 @@ class Volumes:
 
     def image(self, volume_id: str):
         """The volume's chunked view (:class:`~alibi_vit.chunked.ChunkedImage`; nothing read)."""
-        from ..chunked import open_volume
-        from ..images import ImageReadError
-
         entry = self.entry(volume_id)
         with self.lock:
             if volume_id not in self._opened:
-                refuse_relinked(entry.source, f"volume {entry.name}")
-                try:
-                    image = open_volume(entry.source)
-                except (ImageReadError, OSError) as err:
-                    raise SessionError(f"volume {entry.name} cannot be read: {err}", status=409) from None
-                if tuple(image.volume_shape) != entry.shape:
-                    raise SessionError(f"volume {entry.name} is {image.volume_shape} now but was {entry.shape} when "
-                                       "it was added: add it to a new session", status=409)
-                self._opened[volume_id] = image
+                self._opened[volume_id] = self._open(entry)
         _warm_up_classifier()  # a volume is being looked at: Train may follow
         return self._opened[volume_id]
+
+    def _open(self, entry: VolumeEntry):
+        """A new chunked view of a volume's file, checked as when it was added."""
+        from ..chunked import open_volume
+        from ..images import ImageReadError
+
+        refuse_relinked(entry.source, f"volume {entry.name}")
+        try:
+            image = open_volume(entry.source)
+        except (ImageReadError, OSError) as err:
+            raise SessionError(f"volume {entry.name} cannot be read: {err}", status=409) from None
+        check_chunked(image, entry.name, self.max_pixels, chunk_pixels=STACK_IMAGES * self.max_pixels)
+        if tuple(image.volume_shape) != entry.shape:
+            raise SessionError(f"volume {entry.name} is {image.volume_shape} now but was {entry.shape} when it was "
+                               "added: add it to a new session", status=409)
+        return confined(image)
 
     def _display_range(self, volume_id: str) -> tuple[float, float]:
         if volume_id not in self._display:
@@ -333,12 +344,12 @@ class Volumes:
                  "seconds": round(time.perf_counter() - start, 2), "volumes": ids,
                  "voxels": {str(k): v for k, v in seg.label_counts_.items()}}
         folder = self.folder / "volumes" / "model"
-        try:
-            seg.save(folder)
-            write_atomic(folder / "app-model.json", json.dumps(model).encode())
-        except OSError as err:
-            raise not_saved("the volume model", folder, err) from None
-        with self.lock:
+        with self.lock:  # a Save copies this folder under the lock: never half written
+            try:
+                seg.save(folder)
+                write_atomic(folder / "app-model.json", json.dumps(model).encode())
+            except OSError as err:
+                raise not_saved("the volume model", folder, err) from None
             self._seg, self.model = seg, model
             self._overlays.clear()
         return model
@@ -375,33 +386,67 @@ class Volumes:
         with self.lock:
             return remember(self._overlays, key, (png_bytes(_colour(predicted, classes)), fractions), KEEP_OVERLAYS)
 
-    def save(self, volume_id: str, out: Path, what) -> dict:
+    def check_save(self, volume_id: str, what) -> list[str]:
+        """``what`` a Save of a volume writes, checked before it starts: 404 for no such volume, 400
+        for anything but labels, model and masks, 409 for a model or masks without a trained model."""
+        self.entry(volume_id)
+        what = list(dict.fromkeys(what or []))
+        unknown = sorted(set(map(str, what)) - {"labels", "model", "masks"})
+        if unknown or not what:
+            raise SessionError(f"a volume saves labels, model and masks; got {', '.join(unknown) or 'nothing'}")
+        if {"model", "masks"} & set(what):
+            self.trained()
+        return what
+
+    def save(self, volume_id: str, out: Path, what, on_progress=None, written: dict | None = None) -> dict:
         """Write ``what`` of a volume into ``out``: "labels" (``labels/<stem>_labels.zarr``), "model"
-        (``model_volume/``), "masks" (``masks/<stem>_mask.tif`` or ``.ome.zarr``, block by block)."""
+        (``model_volume/``), "masks" (``masks/<stem>_mask.tif`` or ``.ome.zarr``, block by block); returns
+        (and fills ``written`` as it goes) {kind: path(s)}.
+
+        Made for a thread of its own (a Save job), not the worker: the volume is read through a view of
+        its own and the mask predicted by a copy of the trained model (taken before the mask is begun),
+        so slices shown and a Train go on meanwhile. on_progress(done, total): steps done (labels, model, each
+        block of each pass of the mask); an exception it raises (a Cancel) stops the Save there, and
+        removes the mask begun."""
         from ..chunked import is_zarr_path
+        from ..trainable import VolumeSegmenter
         from ..trainable.output_folder import image_stem
         from ..trainable.stream import segment_to_files
 
+        what = self.check_save(volume_id, what)
         entry = self.entry(volume_id)
-        unknown = sorted(set(what) - {"labels", "model", "masks"})
-        if unknown or not what:
-            raise SessionError(f"a volume saves labels, model and masks; got {', '.join(unknown) or 'nothing'}")
-        stem, written = image_stem(entry.source), {}
+        steps = len({"labels", "model"} & set(what))
+        report = on_progress or (lambda done, total: None)
+        stem, written, private = image_stem(entry.source), ({} if written is None else written), None
         try:
+            report(0, steps + ("masks" in what))
             if "labels" in what:
+                labels = self.label_volume(volume_id)
                 (out / "labels").mkdir(parents=True, exist_ok=True)
-                written["labels"] = str(self.label_volume(volume_id).export(out / "labels" / f"{stem}_labels.zarr"))
-            if "model" in what:
-                target = out / "model_volume"
-                shutil.rmtree(target, ignore_errors=True)
-                written["model"] = str(self.trained().save(target))
+                written["labels"] = str(labels.export(out / "labels" / f"{stem}_labels.zarr"))
+                report(1, steps + ("masks" in what))
+            if "model" in what or "masks" in what:
+                model = out / "model_volume" if "model" in what else \
+                    self.folder / "volumes" / f".save-{secrets.token_hex(4)}"
+                private = None if "model" in what else model
+                with self.lock:  # Train writes the folder under the lock: this copy is one whole model
+                    shutil.rmtree(model, ignore_errors=True)
+                    shutil.copytree(self.folder / "volumes" / "model", model,
+                                    ignore=shutil.ignore_patterns("app-model.json"))
+                if "model" in what:
+                    written["model"] = str(model)
+                    report(steps, steps + ("masks" in what))
             if "masks" in what:
+                seg = VolumeSegmenter.load(model)
                 kind = "ome-zarr" if is_zarr_path(entry.source) else "tif"
-                result = segment_to_files(self.trained(), self.image(volume_id), out / "masks", stem, kind,
-                                          progress=False)
+                result = segment_to_files(seg, self._open(entry), out / "masks", stem, kind, progress=False,
+                                          on_tile=lambda done, total: report(steps + done, steps + total))
                 written["masks"] = [str(p) for p in result.paths]
         except OSError as err:
             raise not_saved(f"the export of {entry.name}", out, err) from None
+        finally:
+            if private is not None:
+                shutil.rmtree(private, ignore_errors=True)
         return written
 
     def record(self, volume_id: str) -> dict:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import re
 import sys
 import warnings
 
@@ -89,6 +91,47 @@ def subcommand_parser(command: str):
     return module, parser
 
 
+# What argparse itself reads as a negative number (a value); any other word starting with "-" is an option to it.
+_NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
+_DASH_VALUE = re.compile(r"^-[\d.]")
+
+
+def _attach_dash_values(argv: list) -> list:
+    """``--option -1/2`` as ``--option=-1/2``: argparse takes a value that starts with "-" for an option (unless it
+    is a plain negative number) and answers "expected one argument"; so the option's own check can say what is
+    wrong with it (``--shard -1/2``: the share must be in 0..1)."""
+    out = []
+    for word in argv:
+        previous = out[-1] if out else ""
+        if (_DASH_VALUE.match(word) and not _NEGATIVE_NUMBER.match(word) and previous.startswith("--")
+                and "=" not in previous and previous != "--"):
+            out[-1] = f"{previous}={word}"
+        else:
+            out.append(word)
+    return out
+
+
+# tifffile names the object it complains about first: "<tifffile.TiffFile 'a.tif'> ImageJ series metadata invalid".
+_TIFFFILE_OBJECT = re.compile(r"^<tifffile\.\w+(?: '([^']*)')?[^>]*>\s*")
+
+
+class _TifffileWarnings(logging.Handler):
+    """tifffile's log records (metadata it could not parse; the pixels are read regardless, and a file that
+    cannot be read is an error of its own) as the command's one-line warnings naming the file, each once,
+    instead of bare lines on stderr."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.seen = set()
+
+    def emit(self, record):
+        text = record.getMessage().splitlines()[0] if record.getMessage() else ""
+        text = _TIFFFILE_OBJECT.sub(lambda m: f"{m.group(1)}: " if m.group(1) else "", text)
+        if text not in self.seen:
+            self.seen.add(text)
+            warnings.warn(f"{text} (tifffile)", stacklevel=2)
+
+
 def main(argv=None) -> int:
     from ..runtime import prefer_passive_threads_when_busy
 
@@ -99,13 +142,17 @@ def main(argv=None) -> int:
     known, _ = parser.parse_known_args(argv[:1] if argv else argv)
     prog = f"alibi-vit {known.command}"
     module, sub = subcommand_parser(known.command)
-    args = sub.parse_args(argv[1:])
+    args = sub.parse_args(_attach_dash_values(argv[1:]))
 
     def show_warning(message, category, filename, lineno, file=None, line=None):
         print(f"{prog}: warning: {message}", file=sys.stderr if file is None else file)
 
+    tifffile_log = logging.getLogger("tifffile")
+    routed, propagates = _TifffileWarnings(), tifffile_log.propagate
     with warnings.catch_warnings():
         warnings.showwarning = show_warning  # one line per warning, not the source line that raised it
+        tifffile_log.addHandler(routed)
+        tifffile_log.propagate = False  # else Python's last-resort handler prints the raw record too
         try:
             return int(module.run(args) or 0)
         except (OSError, ValueError) as err:  # bad input (FileNotFoundError is an OSError): a message
@@ -114,6 +161,9 @@ def main(argv=None) -> int:
         except KeyboardInterrupt:
             print(f"{prog}: interrupted", file=sys.stderr)
             return 130
+        finally:
+            tifffile_log.removeHandler(routed)
+            tifffile_log.propagate = propagates
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """``alibi-vit probe``: the positional-bias probe of several models on the same images.
 
-Prints a table (models × targets) of held-out R² and writes it as CSV; the ``weights`` column
+Prints a table (models × targets) of held-out R² and writes it as CSV (``--out``: a folder, default
+``probe_results/``, that gets ``probe.csv``, or a ``.csv`` file; ``<out>`` below is that file); the ``weights`` column
 says where each model's weights came from (``random init`` when neither ``--pretrained`` nor
 ``--checkpoint`` was given: such numbers say nothing about trained features). ``--per-layer``
 adds one row per block and writes the per-channel R² (the "positional fingerprint", target
@@ -96,7 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(implies --per-layer; --figure-format, --dpi)")
     add_figure_arguments(parser)
     parser.add_argument("--batch-size", type=at_least(1), default=8, help="images per forward pass")
-    parser.add_argument("--out", type=Path, default=Path("probe_results.csv"), help="CSV file to write")
+    parser.add_argument("--out", type=Path, default=Path("probe_results"), metavar="DIR|FILE.csv",
+                        help="output folder (made if needed) for probe.csv and, with --per-layer/--plot, "
+                             "probe_channels.csv and the figures; or a .csv file, the others named after it "
+                             "(default %(default)s/)")
 
 
 def run(args) -> int:
@@ -110,6 +114,7 @@ def run(args) -> int:
     from .options import (build_models, check_image_size, figure_path, images_from_args, model_features, weights_of,
                           write_csv)
 
+    args.out = csv_path(args.out)
     if args.paper_table:
         return run_paper_table(args)
     if args.size is None:
@@ -165,6 +170,19 @@ def run(args) -> int:
             fig.savefig(path, dpi=args.dpi)
             print(f"wrote {path}")
     return 0
+
+
+def csv_path(out) -> Path:
+    """The table ``--out`` names: a ``.csv`` path is the file itself; anything else is a folder that gets
+    ``probe.csv`` (with the channel table and figures beside it). A file in a folder's way is an error now."""
+    from ..files import check_folder_path
+
+    out = Path(out)
+    if out.suffix.lower() == ".csv" and not out.is_dir():
+        check_folder_path(out.parent)
+        return out
+    check_folder_path(out)
+    return out / "probe.csv"
 
 
 def _crop_to_patch(image, patch: int):

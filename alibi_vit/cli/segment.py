@@ -96,6 +96,16 @@ def _spacing(text: str) -> tuple[float, float, float]:
     return values
 
 
+def _memory_size(text: str) -> str:
+    """A memory size such as 2GB, 512MiB, 1.5G or 4000000000 (bytes), as given; an argparse type, so a value
+    that is not one is a one-line error naming the option, before any worker starts."""
+    import re
+
+    if not re.fullmatch(r"\s*\d+(\.\d+)?\s*([kKmMgGtTpP]i?[bB]?|[bB])?\s*", text):
+        raise argparse.ArgumentTypeError(f"expected a size such as 2GB, 512MiB or 1.5G, got {text!r}")
+    return text.strip()
+
+
 def _add_common(p, several: bool = False):
     many = dict(nargs="+") if several else {}
     listed = (lambda v: [v]) if several else (lambda v: v)  # noqa: E731
@@ -234,7 +244,7 @@ def _add_scale_out_arguments(a) -> None:
                    help="threads (default: this process), local:N (N worker processes on this machine), "
                         "tcp://HOST:PORT (a running Dask scheduler whose workers see the same files) or slurm "
                         "(Dask workers as SLURM jobs; pip install 'alibi-vit[slurm]')")
-    g.add_argument("--worker-memory", default=None, metavar="SIZE",
+    g.add_argument("--worker-memory", type=_memory_size, default=None, metavar="SIZE",
                    help="memory limit per worker of local:N or per SLURM job, e.g. 2GB (default: local:N shares "
                         "the machine's memory; slurm: --slurm-memory)")
     g.add_argument("--shard", default=None, metavar="I/N",
@@ -246,7 +256,8 @@ def _add_scale_out_arguments(a) -> None:
     g.add_argument("--slurm-jobs", type=at_least(1), default=1, metavar="N", help="SLURM worker jobs (default 1)")
     g.add_argument("--slurm-cores", type=at_least(1), default=None, metavar="N",
                    help="cores per SLURM job, one single-threaded worker process each (default 4)")
-    g.add_argument("--slurm-memory", default=None, metavar="SIZE", help="memory per SLURM job (default 16GB)")
+    g.add_argument("--slurm-memory", type=_memory_size, default=None, metavar="SIZE",
+                   help="memory per SLURM job (default 16GB)")
     g.add_argument("--slurm-walltime", default=None, metavar="HH:MM:SS",
                    help="time limit per SLURM job (default 01:00:00)")
     g.add_argument("--slurm-queue", default=None, metavar="PARTITION", help="SLURM partition (default: the site's)")
@@ -499,20 +510,48 @@ def _image_format(path: Path, out_format: str):
 def _apply_inputs(args):
     """Every input image and its output names (:func:`~alibi_vit.trainable.output_folder.output_names`)."""
     from ..trainable.io import list_image_files
-    from ..trainable.output_folder import output_names
+    from ..trainable.output_folder import output_names, written_outputs
 
     files, sources, relative = [], [], []
+    seen = {}  # resolved path → as first given: an image reached again (a link, a folder given twice) is segmented once
+    ours = written_outputs(args.out)  # --out inside (or equal to) --images: earlier masks are not inputs
+    skipped = []
     for src in args.images:
         for f in [Path(src)] if args.slice_folders else list_image_files([src], recursive=args.recursive):
             if not f.exists():
                 raise FileNotFoundError(f"{f} is neither an image file nor a folder")
+            if _earlier_output(f, args.out, ours) and Path(src).resolve() != f.resolve():  # (named itself: an input)
+                skipped.append(f.name)
+                continue
+            if f.resolve() in seen:
+                warnings.warn(f"{f} is the same file as {seen[f.resolve()]}: segmented once")
+                continue
+            seen[f.resolve()] = f
             files.append(f)
             sources.append(Path(src))
             relative.append(f.relative_to(src) if Path(src).is_dir() and f != Path(src) else Path(f.name))
+    if skipped:
+        print(f"note: {len(skipped)} file(s) in --out {args.out} are outputs of an earlier run, not inputs: "
+              f"{', '.join(skipped[:3])}{' …' if len(skipped) > 3 else ''}", file=sys.stderr)
+    if not files:
+        raise ValueError(f"--images {' '.join(args.images)} holds no images besides the outputs in --out {args.out}")
     names, notes = output_names(files, sources, relative)  # over every input, so each share names alike
     for note in notes:
         warnings.warn(note)
     return files, names
+
+
+def _earlier_output(path: Path, out: Path, written: set) -> bool:
+    """Whether ``path`` is something segment runs wrote in ``out``: a recorded output, or a file in one of its
+    hidden folders (the staging folder a killed run left, the image manifests)."""
+    real = path.resolve()
+    if real in written:
+        return True
+    try:
+        inside = real.relative_to(Path(out).resolve())
+    except ValueError:
+        return False
+    return any(part.startswith(".segment") or part == ".manifests" for part in inside.parts[:-1])
 
 
 def _check_channels_once(seg, files, kinds) -> None:
@@ -580,7 +619,9 @@ def _apply(args) -> int:
                          walltime=args.slurm_walltime, queue=args.slurm_queue, account=args.slurm_account,
                          config=args.slurm_config)
     unreadable = [(p, kinds[p]) for p in files if isinstance(kinds[p], Exception)]
+    spacings = _voxel_spacings(args, seg, files, names, kinds) if seg.dims == 3 else {}
     with OutputFolder(args.out, settings, partial(write_fractions_csv, classes=seg.classes_), shard=shard) as folder:
+        folder.notes = {row: {"voxel_spacing": list(spacing)} for row, spacing in spacings.items()}
         jobs = []
         for path, name in zip(files, names):
             if isinstance(kinds[path], Exception):
@@ -601,8 +642,12 @@ def _apply(args) -> int:
                 ModelPackage.from_folder(args.model, digest, seg.crf, seg.modal, args.device,
                                           spacing=args.spacing if seg.dims == 3 else None))
             outcome = run_jobs(executor, model, jobs, folder)
-    key = write_colour_key(args.out / ".colour_key.part.png", seg.classes_, k)  # complete or absent: shares
-    os.replace(key, args.out / "colour_key.png")  # write it at the same time
+    part = args.out / ".colour_key.part.png"  # complete or absent: shares write it at the same time
+    try:
+        os.replace(write_colour_key(part, seg.classes_, k), args.out / "colour_key.png")
+    except OSError as err:
+        part.unlink(missing_ok=True)
+        raise OSError(err.errno, err.strerror or str(err), str(args.out / "colour_key.png")) from err
     failed = sorted([p.name for p, _ in unreadable] + [name for name, _ in outcome.failed])  # not in completion order
     kept = f"; {outcome.kept} kept from an earlier run (--resume)" if args.resume else ""
     print(f"segmented {outcome.written} of {len(files)} image(s) into {args.out}{kept} "
@@ -617,7 +662,7 @@ def _apply(args) -> int:
 def _check_dimensions(args, seg, files) -> dict:
     """A clear error when a model of 2D images is given volumes without --features 2d, or a volume
     model 2D images (or settings only one kind takes); a volume model's inputs opened as volumes."""
-    from ..chunked import open_volume
+    from ..chunked import is_zarr_path, open_volume
     from ..images import ImageReadError
 
     kinds = {}
@@ -635,14 +680,18 @@ def _check_dimensions(args, seg, files) -> dict:
         if volumes and args.features != "2d":
             raise ValueError(f"{volumes[0]} is a volume but the model {args.model} was trained on 2D images: segment "
                              "it slice by slice with --features 2d, or train a volume model (segment train on volumes)")
+        stores = [p for p in volumes if is_zarr_path(p)]
+        if stores:  # (read tile by tile, one plane per image)
+            raise ValueError(f"{stores[0]} is a zarr volume: --features 2d segments TIFF stacks and slice folders slice "
+                             "by slice, not zarr stores; segment it with a volume model (segment train on volumes)")
         return {}
     if args.features == "2d":
         raise ValueError(f"--features 2d segments volumes slice by slice with a model of 2D images; {args.model} is a "
                          "volume model (3D features)")
     flat = [p for p in files if kinds[p] is False]
     if flat:
-        raise ValueError(f"{flat[0]} is a 2D image but the model {args.model} segments volumes (3D features): give "
-                         "volumes, or a model trained on 2D images")
+        raise ValueError(f"{flat[0]} is {_not_a_volume(flat[0])} but the model {args.model} segments volumes (3D "
+                         "features): give volumes, or a model trained on 2D images")
     if args.out_format == "png":
         raise ValueError("--out-format png cannot hold a volume: use tif (a mask stack), bigtiff or ome-zarr")
     if args.crf not in ("model", "off"):
@@ -656,6 +705,47 @@ def _check_dimensions(args, seg, files) -> dict:
         except ImageReadError as err:
             views[path] = err
     return views
+
+
+def _not_a_volume(path: Path) -> str:
+    """What an input that is not a volume is, for the message that refuses it; a TIFF whose pages differ
+    in size or dtype (which reads as its first page alone) is an error naming the first that differs."""
+    from ..chunked import TIFF_SUFFIXES, check_tiff_pages, is_zarr_path, open_image
+
+    if path.is_file() and path.suffix.lower() in TIFF_SUFFIXES:
+        import tifffile
+
+        with tifffile.TiffFile(path) as tif:
+            if not tif.is_ome:
+                check_tiff_pages(tif, str(path))
+    if not (is_zarr_path(path) or path.suffix.lower() in TIFF_SUFFIXES):
+        return "a 2D image"
+    image = open_image(path)
+    if image.planes > 1:
+        return f"{image.planes} planes along {image.plane_axes} (axes {image.axes}), not z slices,"
+    if image.channels > 1:
+        kind = {3: "RGB", 4: "RGBA"}.get(image.channels, f"{image.channels}-channel")
+        return f"one 2D {kind} image ({image.channels} samples per pixel, axes {image.axes}), not a grey volume,"
+    return "a 2D image"
+
+
+def _voxel_spacings(args, seg, files, names, kinds) -> dict:
+    """Each volume's voxel spacing (z, y, x) as its 3D features will use it, by CSV row; said on stderr, one line
+    per spacing and where it comes from (the run manifest records each volume's)."""
+    spacings, groups = {}, {}
+    for path, name in zip(files, names):
+        if isinstance(kinds[path], Exception):
+            continue
+        view = kinds[path][1]
+        spacing = tuple(float(v) for v in seg.spacing_of(view))
+        origin = ("--spacing" if args.spacing is not None else "the file's metadata" if view.spacing is not None
+                  else "the model's" if seg.default_spacing is not None else "isotropic: none in the file or model")
+        spacings[name.row] = spacing
+        groups.setdefault((spacing, origin), []).append(name.row)
+    for (spacing, origin), rows in groups.items():
+        print(f"voxel spacing z,y,x {','.join(f'{v:g}' for v in spacing)} ({origin}): {', '.join(rows[:5])}"
+              f"{f' and {len(rows) - 5} more' if len(rows) > 5 else ''}", file=sys.stderr)
+    return spacings
 
 
 def _volume_format(path: Path, out_format: str) -> str:

@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from ..files import check_folder_path
+
+    check_folder_path(args.out)  # a file given as --out: "give a folder", before any model is built
     if args.query is not None and not all(0 <= q < args.size for q in args.query):  # before any slow import
         raise ValueError(f"--query {args.query[0]} {args.query[1]} is outside the {args.size}×{args.size} px image "
                          f"(--size {args.size}): give Y and X from 0 to {args.size - 1}")

@@ -151,9 +151,10 @@ def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], source: 
             if keys:
                 lines.append(f"  {title} ({len(keys)}): {_first(keys, n)}")
         students = {k[len("student."):] for k in unexpected if k.startswith("student.")}
-        if students and set(missing) <= students:
+        if students:  # (exported, the file also records the student's architecture: no --model-arg needed)
+            ckpt = source[len("checkpoint "):] if source.startswith("checkpoint ") else "CKPT"
             lines.append("  it holds a distillation run (keys student.*): export the student first, "
-                         "with alibi-vit export --checkpoint CKPT --out student.safetensors")
+                         f"with alibi-vit export --checkpoint {ckpt} --out student.safetensors")
         elif missing or shapes:
             lines.append("  a different architecture? build the model with the checkpoint's own arguments "
                          "(alibi-vit: --model-arg KEY=VALUE, e.g. depth=2)")

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +36,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .output_folder import input_digest
-from .writers import OutputError
+from .writers import OutputError, output_error
 
 __all__ = ["ImageJob", "ModelPackage", "run_jobs"]
 
@@ -200,20 +201,37 @@ def _segment_whole(seg, job: ImageJob) -> list:
     rows = [(f"{job.row}[{z}]" if is_stack else job.row, area_fractions(mask, seg.classes_)[0].tolist(), mask.size)
             for z, mask in enumerate(masks)]
     if is_stack:  # written back as a stack: TIFF whatever the format; no overlays
-        write_mask(dest / f"{job.stem}_mask.tif", np.stack(masks), k)
+        with _writing(dest / f"{job.stem}_mask.tif"):
+            write_mask(dest / f"{job.stem}_mask.tif", np.stack(masks), k)
         if job.proba:
-            write_proba(dest, job.stem, np.stack(probas), seg.classes_)
+            with _writing(dest / f"{job.stem}_proba_*.tif"):
+                write_proba(dest, job.stem, np.stack(probas), seg.classes_)
         return rows
-    write_mask(dest / f"{job.stem}_mask.{job.fmt}", masks[0], k)
+    with _writing(dest / f"{job.stem}_mask.{job.fmt}"):
+        write_mask(dest / f"{job.stem}_mask.{job.fmt}", masks[0], k)
     if job.proba:
-        write_proba(dest, job.stem, probas[0], seg.classes_)
+        with _writing(dest / f"{job.stem}_proba_*.tif"):
+            write_proba(dest, job.stem, probas[0], seg.classes_)
     if job.overlays:
         from PIL import Image
 
         # Colour images are shown in their own colours (by dtype), grayscale as the model scaled it.
         shown = scale_colour(arrays[0], "auto", str(path)) if scaled[0].ndim == 3 else scaled[0]
-        Image.fromarray(overlay(shown, masks[0], 0.4, k)).save(dest / f"{job.stem}_overlay.png")
+        with _writing(dest / f"{job.stem}_overlay.png"):
+            Image.fromarray(overlay(shown, masks[0], 0.4, k)).save(dest / f"{job.stem}_overlay.png")
     return rows
+
+
+@contextmanager
+def _writing(target: Path):
+    """An OSError while writing ``target`` (a full disk) becomes an :class:`OutputError` naming it: the run
+    stops there, rather than skipping every later image for the same reason (the staged part is discarded)."""
+    try:
+        yield
+    except OutputError:
+        raise
+    except OSError as err:
+        raise output_error(target, err) from err
 
 
 def prepare_chunked(model, job: ImageJob) -> Result:

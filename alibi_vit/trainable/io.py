@@ -134,6 +134,7 @@ def read_grayscale(path, intensity: str = "auto") -> np.ndarray:
 
 
 LOSSY_SUFFIXES = (".jpg", ".jpeg", ".jpe", ".jfif")
+KEY_FONT_PX = 18  # text height of the colour key (colour_key.png): legible beside masks of any size
 
 
 def read_labels(path, shape=None) -> np.ndarray:
@@ -147,18 +148,32 @@ def read_labels(path, shape=None) -> np.ndarray:
     return as_label_image(read_array(path), shape, source=f"labels {path}")
 
 
-def _folder_images(folder: Path, recursive: bool) -> list[Path]:
-    """Image files and zarr stores (folders, not searched inside) in ``folder``, sorted."""
+def _folder_images(folder: Path, recursive: bool, seen: set, again: list) -> list[Path]:
+    """Image files and zarr stores (folders, not searched inside) in ``folder``, sorted. ``seen`` holds the
+    resolved paths met so far: a file or folder reached again through a symlink (a link to an image, a
+    ``self -> .`` loop) is skipped (and put in ``again``), so each real file is listed once. Real entries
+    come before links, so the name kept is the file's own where both are in one folder."""
     from ..chunked import is_zarr_path
 
     found = []
-    for p in sorted(folder.iterdir()):
+    for p in sorted(folder.iterdir(), key=lambda p: (p.is_symlink(), p.name)):
+        try:
+            real = p.resolve(strict=True)
+        except (OSError, RuntimeError):  # a dangling link, or a loop the resolver gives up on
+            continue
+        if real in seen:
+            if is_zarr_path(p) or (p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES):
+                again.append(p)
+            continue
         if p.is_dir():
             if is_zarr_path(p):
+                seen.add(real)
                 found.append(p)
             elif recursive:
-                found.extend(_folder_images(p, recursive))
+                seen.add(real)
+                found.extend(_folder_images(p, recursive, seen, again))
         elif p.suffix.lower() in IMAGE_SUFFIXES and p.is_file():
+            seen.add(real)
             found.append(p)
     return sorted(found)
 
@@ -170,18 +185,20 @@ def list_image_files(sources, recursive: bool = False) -> list[Path]:
 
     if isinstance(sources, (str, Path)):
         sources = [sources]
-    files = []
+    files, seen = [], set()  # seen: resolved paths, so a file reached twice (links, a folder given twice) is one
     for src in sources:
         src = Path(src)
-        if is_zarr_path(src):
-            files.append(src)
+        if is_zarr_path(src) or src.is_file():
+            if src.resolve() not in seen:
+                seen.add(src.resolve())
+                files.append(src)
         elif src.is_dir():
-            found = _folder_images(src, recursive)
-            if not found:
+            seen.add(src.resolve())
+            again = []
+            found = _folder_images(src, recursive, seen, again)
+            if not found and not again:  # (a folder whose images were all listed already is no mistake)
                 raise FileNotFoundError(f"folder {src} holds no images ({', '.join(IMAGE_SUFFIXES)}, or zarr stores)")
             files.extend(found)
-        elif src.is_file():
-            files.append(src)
         else:
             raise FileNotFoundError(f"{src} is neither an image file nor a folder")
     return files
@@ -240,19 +257,29 @@ def write_mask(path, mask: np.ndarray, k: int | None = None) -> Path:
 
 def write_colour_key(path, classes, k: int | None = None, names=None) -> Path:
     """A PNG key to the masks' and overlays' colours: per class a swatch of :func:`palette` colour
-    and its name (default "class <value>")."""
-    from PIL import Image, ImageDraw
+    and its name (default "class <value>"), in text of ``KEY_FONT_PX`` px, the image sized to fit it."""
+    from PIL import Image, ImageDraw, ImageFont
 
     classes = [int(c) for c in classes]
     colours = palette(max(classes) if k is None else int(k))
     names = [f"class {c}" for c in classes] if names is None else list(names)
-    row = 22
-    img = Image.new("RGB", (30 + 8 * max(len(n) for n in names) + 10, row * len(classes) + 6), "white")
+    try:
+        font, upscale = ImageFont.load_default(size=KEY_FONT_PX), 1
+    except (TypeError, ImportError, OSError):  # a Pillow without FreeType: its small bitmap font, enlarged
+        font, upscale = ImageFont.load_default(), 2
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    boxes = [measure.textbbox((0, 0), name, font=font) for name in names]
+    text_h = max(b[3] for b in boxes)
+    pad, swatch = text_h // 2 + 2, text_h + 6  # the swatch a little taller than the text, rows apart by pad
+    img = Image.new("RGB", (3 * pad + swatch + max(b[2] for b in boxes), pad + len(classes) * (swatch + pad)), "white")
     draw = ImageDraw.Draw(img)
     for i, (c, name) in enumerate(zip(classes, names)):
-        y = 4 + i * row
-        draw.rectangle([4, y, 22, y + row - 6], fill=tuple(int(v) for v in colours[c]), outline="black")
-        draw.text((30, y + 2), name, fill="black")
+        y = pad + i * (swatch + pad)
+        draw.rectangle([pad, y, pad + swatch - 1, y + swatch - 1], fill=tuple(int(v) for v in colours[c]),
+                       outline="black")
+        draw.text((2 * pad + swatch, y + (swatch - text_h) // 2), name, fill="black", font=font)
+    if upscale > 1:
+        img = img.resize((img.width * upscale, img.height * upscale), Image.NEAREST)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     img.save(path)

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["CSV_NAME", "LOCK_NAME", "MANIFEST_NAME", "OutputFolder", "OutputName", "input_digest", "merge_shards",
-           "model_digest", "output_names"]
+           "model_digest", "output_names", "written_outputs"]
 
 LOCK_NAME = ".segment.lock"
 MANIFEST_NAME = "segment_run.json"
@@ -65,6 +65,7 @@ COMPARED = ("model_digest", "crf", "modal")  # settings two runs must share to w
 RESUME_KEYS = ("model_digest", "crf", "modal", "format", "proba", "overlay")
 IMAGE_MANIFESTS = ".manifests"  # <row>.json per image
 IMAGE_MANIFEST_FORMAT = 1
+IMAGE_NOTES = ("voxel_spacing",)  # what a run may record of an image besides its files (OutputFolder.notes)
 
 
 @dataclass(frozen=True)
@@ -173,8 +174,29 @@ def _write_json(path: Path, data) -> None:
     """``data`` as JSON at ``path``, complete or not at all (written under a temporary name, then renamed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(temporary, path)
+    _replace_with(path, temporary, lambda: temporary.write_text(json.dumps(data, indent=1) + "\n"))
+
+
+def _replace_with(path: Path, temporary: Path, write) -> None:
+    """``write()`` ``temporary``, then rename it to ``path``; a failed write (a full disk) removes it and is an
+    :class:`~alibi_vit.trainable.writers.OutputError` naming ``path``."""
+    from .writers import OutputError, output_error
+
+    try:
+        write()
+        os.replace(temporary, path)
+    except OutputError:
+        raise
+    except OSError as err:
+        temporary.unlink(missing_ok=True)
+        raise output_error(path, err) from err
+
+
+def _record(manifest: dict) -> dict:
+    """What the run manifest records of an image, from its own manifest: its source, outputs and CSV rows, and
+    what the run noted for it (a volume's voxel spacing)."""
+    return {**{key: manifest[key] for key in ("source", "outputs", "rows")},
+            **{key: manifest[key] for key in IMAGE_NOTES if key in manifest}}
 
 
 def _read_json(path: Path):
@@ -228,6 +250,7 @@ class OutputFolder:
         self.csv_path = self.path / CSV_NAME.replace(".csv", f"{suffix}.csv")
         self.staging = self.path / STAGING_NAME.replace(".partial", f"{suffix}.partial")
         self.images: dict[str, dict] = {}
+        self.notes: dict[str, dict] = {}  # row → what to record with the image (IMAGE_NOTES: its voxel spacing)
         self._locked = False
         self._saved_at = 0.0
 
@@ -275,8 +298,12 @@ class OutputFolder:
                 if holder is None:
                     continue
                 raise self._held(lock, holder) from None
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(me, f)
+            except OSError as err:  # a full disk: no lock is left behind that the next run would take as held
+                lock.unlink(missing_ok=True)
+                raise OSError(err.errno, err.strerror or str(err), str(lock)) from err
             self._locked = True
             return
         raise ValueError(f"{self.option} {self.path}: could not take the lock {lock}")
@@ -356,7 +383,7 @@ class OutputFolder:
             self.images = dict(own["images"])
         if self.shard is None:  # the whole folder's table: every image with a manifest of its own
             for row, manifest in images.items():
-                self.images.setdefault(row, {key: manifest[key] for key in ("source", "outputs", "rows")})
+                self.images.setdefault(row, _record(manifest))
 
     # -- during the run ------------------------------------------------------------------------------------
     def _image_manifest_path(self, row: str) -> Path:
@@ -385,7 +412,7 @@ class OutputFolder:
 
     def keep(self, row: str, manifest: dict) -> None:
         """Record image ``row`` as written by an earlier run (its :meth:`finished` manifest), files untouched."""
-        self.images[row] = {key: manifest[key] for key in ("source", "outputs", "rows")}
+        self.images[row] = _record(manifest)
         self._save_now_and_then()
 
     def commit(self, row: str, source: Path, rows: list[tuple[str, list[int], int]], sha256: str = "") -> None:
@@ -412,7 +439,8 @@ class OutputFolder:
                 warnings.warn(f"{row}: the outputs of {earlier.get('source')} (an earlier run) are replaced by those "
                               f"of {source}")
             record = {"source": source, "outputs": names,
-                      "rows": [[name, [int(c) for c in counts], int(size)] for name, counts, size in rows]}
+                      "rows": [[name, [int(c) for c in counts], int(size)] for name, counts, size in rows],
+                      **self.notes.get(row, {})}
             _write_json(self._image_manifest_path(row),
                         {"format": IMAGE_MANIFEST_FORMAT, "image": row, "input_sha256": sha256,
                          "settings": {k: v for k, v in self.settings.items() if k != "model"}, **record})
@@ -437,7 +465,14 @@ class OutputFolder:
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             self.discard_staged()
-            self._save(complete=exc_type is None)
+            try:
+                self._save(complete=exc_type is None)
+            except OSError as err:
+                if exc_type is None:
+                    raise
+                # Already failing (often the same full disk): that error is the one to show. The images'
+                # own manifests hold their records, so the next run writes the CSV.
+                warnings.warn(str(err))
         finally:
             if self._previous_sigterm is not None:
                 signal.signal(signal.SIGTERM, self._previous_sigterm)
@@ -448,8 +483,8 @@ class OutputFolder:
         rows = [row for image in self.images.values() for row in image["rows"]]
         if rows:
             temporary = self.path / f".{self.csv_path.name}.tmp"
-            self._write_csv(temporary, [r[0] for r in rows], [(r[1], r[2]) for r in rows])
-            os.replace(temporary, self.csv_path)
+            _replace_with(self.csv_path, temporary,
+                          lambda: self._write_csv(temporary, [r[0] for r in rows], [(r[1], r[2]) for r in rows]))
         else:
             self.csv_path.unlink(missing_ok=True)
         if not self.images and self.shard is None:  # nothing written: no model claims the folder
@@ -466,6 +501,24 @@ class OutputFolder:
         if self._locked:
             self.lock_path.unlink(missing_ok=True)
             self._locked = False
+
+
+def written_outputs(path: Path) -> set[Path]:
+    """The files and stores earlier runs wrote in output folder ``path`` (resolved): the outputs its run and
+    image manifests record, and its colour key; empty for a folder no run wrote."""
+    path = Path(path)
+    if not path.is_dir():
+        return set()
+    records = [m.get("images", {}) for p in path.glob("segment_run*.json") for m in [_read_json(p)]
+               if isinstance(m, dict) and isinstance(m.get("images"), dict)]
+    images = [image for record in records for image in record.values()]
+    root = path / IMAGE_MANIFESTS
+    images += [m for p in (root.rglob("*.json") if root.is_dir() else []) for m in [_read_json(p)]]
+    found = {(path / name).resolve() for image in images if isinstance(image, dict)
+             for name in image.get("outputs", []) if isinstance(name, str)}
+    if found:
+        found.add((path / "colour_key.png").resolve())
+    return found
 
 
 def merge_shards(path: Path, write_csv_for) -> tuple[int, int]:

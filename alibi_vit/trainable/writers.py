@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["OutputError", "ZarrOutput", "downsample", "zarr_to_tiff", "zarr_to_tiff_stack"]
+__all__ = ["OutputError", "ZarrOutput", "downsample", "output_error", "zarr_to_tiff", "zarr_to_tiff_stack"]
 
 TIFF_TILE = 512  # px; TIFF tiles are multiples of 16
 
@@ -33,7 +33,8 @@ class OutputError(OSError):
     """An output that could not be written (a full disk, a read-only folder)."""
 
 
-def _fail(path, err: OSError) -> OutputError:
+def output_error(path, err: OSError) -> OutputError:
+    """The :class:`OutputError` of a failed write of ``path``: its name and the reason, on one line."""
     reason = err.strerror or str(err) or type(err).__name__
     return OutputError(f"cannot write {path}: {reason}; outputs written before stay valid")
 
@@ -81,7 +82,7 @@ class ZarrOutput:
             else:  # a bare array: how many of its axes are spatial, for reopen
                 self.group.attrs["spatial_axes"] = len(self.shape)
         except OSError as err:
-            raise _fail(self.path, err) from err
+            raise output_error(self.path, err) from err
         self._colours = colours
 
     @classmethod
@@ -153,7 +154,7 @@ class ZarrOutput:
         try:
             self.array[index] = data
         except OSError as err:
-            raise _fail(self.path, err) from err
+            raise output_error(self.path, err) from err
 
     def read(self, *region: slice) -> np.ndarray:
         """(h, w) or (h, w, C) (a volume's (d, h, w) or (d, h, w, C)) of level 0: the store read back
@@ -184,7 +185,7 @@ class ZarrOutput:
                 self.levels.append(level)
             self._write_metadata(self._colours)
         except OSError as err:
-            raise _fail(self.path, err) from err
+            raise output_error(self.path, err) from err
         return self.path
 
 
@@ -240,7 +241,7 @@ def _write_then_rename(target: Path, write) -> Path:
         os.replace(part, target)
     except OSError as err:
         part.unlink(missing_ok=True)
-        raise _fail(target, err) from err
+        raise output_error(target, err) from err
     return target
 
 

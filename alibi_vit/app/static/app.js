@@ -155,10 +155,13 @@
     get labelsVersion() { return S.labelsVersion; },
     get overlayStale() { return !$("overlay-stale").hidden; },
     renderFractions: (p) => renderFractions(p),   // the volume mode's slice fractions (volume.js)
+    renderModel: () => { if (S.state) renderModel(); },   // the Train panel, on entering or leaving the volume mode
     // For the volume mode (volume.js): the same requests (token, errors as ApiError) and status line.
     request: (method, path, json, signal) => request(method, path, { json, signal }),
     aborted: (err) => err instanceof ApiError && err.status === ABORTED,
     status: (text, kind) => status(text, kind),
+    followSave: (job, unit) => followSave(job, unit),   // a volume's Save job (volume.js)
+    get saving() { return S.saveJob !== null; },
   };
 
   const imageById = (id) => (S.state ? S.state.images.find((im) => im.id === id) : undefined);
@@ -759,12 +762,26 @@
   }
 
   function renderModel() {
+    if (document.body.classList.contains("volume-mode")) { renderVolumeModel(); return; }
     const m = S.state.model;
     $("predict").disabled = !m;
     $("predict-all").disabled = !m || !!S.predictJob;
     $("model-info").textContent = m
       ? `model #${m.id}: ${m.classes.length} classes, ${m.images} image(s), ${formatCount(m.pixels)} labelled px, trained in ${Number(m.seconds).toFixed(1)} s`
       : "no model yet: label two classes or more, then train";
+  }
+
+  // While a volume is shown (volume.js), the Train panel speaks of the volume model, which is
+  // trained and kept apart from the 2D images' model.
+  function renderVolumeModel() {
+    const m = S.state && S.state.volume_model;
+    $("predict").disabled = !m;
+    $("predict-all").disabled = true;   // Predict all is for 2D images
+    if (!m) { $("model-info").textContent = "no volume model yet: label two classes or more in a volume, then train"; return; }
+    const voxels = Object.values(m.voxels || {}).reduce((a, b) => a + b, 0);
+    const names = m.classes.map((v) => (classByValue(v) || { name: `class ${v}` }).name);
+    $("model-info").textContent = `volume model #${m.id}: ${m.classes.length} classes (${names.join(", ")}), `
+      + `${(m.volumes || []).length} volume(s), ${formatCount(voxels)} labelled voxels, trained in ${Number(m.seconds).toFixed(1)} s`;
   }
 
   function renderFeaturesInfo() {
@@ -1465,7 +1482,6 @@
     if (scope === "image" && !S.current) { status("select an image first, or save all images", "error"); return; }
     const body = { what, scope };
     if (S.current) body.image = S.current;
-    const panel = $("save-panel");
     let job;
     try {
       await S.strokeQueue;
@@ -1474,6 +1490,17 @@
       showError(err, "save: ");
       return;
     }
+    status("saving…", "busy");
+    const j = await followSave(job);
+    if (j.state === "done") status(`saved to ${j.folder}`, "ok");
+    else if (j.state === "cancelled") status("save cancelled");
+    else if (j.state === "error") status(`save failed: ${j.message || "unknown error"}`, "error");
+  }
+
+  // A Save job, of images or of a volume (volume.js), followed in the Save panel: progress and
+  // Cancel while it runs, the folder once done. Resolves to the job's last record.
+  async function followSave(job, unit = "") {
+    const panel = $("save-panel");
     S.saveJob = job;
     panel.dataset.state = "running";
     $("save").disabled = true;
@@ -1482,18 +1509,16 @@
     $("save-progress").value = 0;
     $("save-result").hidden = true;
     $("save-folder").textContent = "";
-    status("saving…", "busy");
     let j = null;
     for (;;) {
       try {
         j = await api("GET", `/api/jobs/${enc(job)}`);
       } catch (err) {
-        showError(err, "save: ");
         j = { state: "error", message: err.message };
         break;
       }
       $("save-progress").value = j.progress || 0;
-      $("save-message").textContent = `${j.done ?? 0} / ${j.total ?? "?"}${j.message ? `: ${j.message}` : ""}`;
+      $("save-message").textContent = `${j.done ?? 0} / ${j.total ?? "?"}${unit}${j.message ? `: ${j.message}` : ""}`;
       if (j.state !== "running") break;
       await sleep(250);
     }
@@ -1505,12 +1530,8 @@
     if (j.state === "done") {
       $("save-folder").textContent = j.folder || "";
       $("save-result").hidden = false;
-      status(`saved to ${j.folder}`, "ok");
-    } else if (j.state === "cancelled") {
-      status("save cancelled");
-    } else if (j.state === "error") {
-      status(`save failed: ${j.message || "unknown error"}`, "error");
     }
+    return j;
   }
 
   async function cancelSave() {
@@ -1538,11 +1559,11 @@
         return;
       }
       if (e.button !== 0) return;
-      if (startStroke(e)) {
-        e.preventDefault();
-        area.setPointerCapture(e.pointerId);
-      }
+      e.preventDefault();   // a press on the viewer starts no text selection, stroke or not
+      if (startStroke(e)) area.setPointerCapture(e.pointerId);
     });
+    // Nor does a stroke or a pan that crosses the side panels select their text.
+    document.addEventListener("selectstart", (e) => { if (S.drawing || S.pan) e.preventDefault(); });
     area.addEventListener("pointermove", (e) => {
       S.pointer = { clientX: e.clientX, clientY: e.clientY };
       if (S.pan && e.pointerId === S.pan.pointerId) {

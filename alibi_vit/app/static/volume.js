@@ -191,6 +191,7 @@
     if (!record) return;
     const t0 = performance.now();
     document.body.classList.add("volume-mode");
+    window.app.renderModel();
     $("volume-view").hidden = false;
     $("empty-hint").hidden = true;
     if (V.id !== id) {
@@ -211,6 +212,7 @@
     V.seq++;
     if (V.predictAbort) V.predictAbort.abort();
     document.body.classList.remove("volume-mode");
+    window.app.renderModel();
     $("volume-view").hidden = true;
     renderList();
   }
@@ -311,7 +313,7 @@
       if (state()) state().volume_model = answer.model;
       const voxels = Object.values(answer.model.voxels).reduce((a, b) => a + b, 0);
       status(`trained on ${voxels} labelled voxels in ${answer.model.seconds} s`);
-      $("model-info").textContent = `volume model ${answer.model.id}: classes ${answer.model.classes.join(", ")}`;
+      window.app.renderModel();   // the Train panel names the volume model (app.js keeps it so on every state poll)
       timing("volume_train", performance.now() - t0);
       if (V.id) await showOverlay(t0, "volume_train_overlay");
     } catch (err) {
@@ -321,28 +323,38 @@
     }
   }
 
+  // A volume's Save is a background job (as a 2D Save): progress in the Save panel, Cancel stops it,
+  // and slices and overlays are shown meanwhile.
   async function save() {
     const what = ["labels", "model", "masks"].filter((w) => $(`save-${w}`).checked);
     if (!what.length) { status("tick labels, model or masks to save a volume", "error"); return; }
-    $("save-message").textContent = `saving ${what.join(", ")} of ${V.id}…`;
+    if (window.app.saving) { status("a Save is running: wait for it, or cancel it", "error"); return; }
+    const id = V.id;
+    let job;
     try {
-      const written = await (await send("POST", `/api/volumes/${enc(V.id)}/save`, { what })).json();
-      const paths = Object.values(written).flat();
-      $("save-message").textContent = `saved: ${paths.join(", ")}`;
-      status(`saved ${what.join(", ")} of ${V.id}`);
+      await V.strokeQueue;
+      job = (await (await send("POST", `/api/volumes/${enc(id)}/save`, { what })).json()).job;
     } catch (err) {
-      $("save-message").textContent = "";
       status(`not saved: ${err.message}`, "error");
+      return;
     }
+    status(`saving ${what.join(", ")} of ${id}…`, "busy");
+    const j = await window.app.followSave(job, " steps");
+    $("save-message").textContent = j.message || "";
+    if (j.state === "done") status(`saved ${what.join(", ")} of ${id}`, "ok");
+    else if (j.state === "cancelled") status("save cancelled");
+    else status(`not saved: ${j.message || "unknown error"}`, "error");
   }
 
   // ---------------------------------------------------------------- events
   function bind() {
     area.addEventListener("pointerdown", (e) => {
       $("volume-view").focus({ preventScroll: true });
-      if (e.button !== 0 || V.drawing || !V.shown) return;
-      if (startStroke(e)) { e.preventDefault(); area.setPointerCapture(e.pointerId); }
+      if (e.button !== 0 || V.drawing) return;
+      e.preventDefault();   // a press on the slice starts no text selection, stroke or not
+      if (V.shown && startStroke(e)) area.setPointerCapture(e.pointerId);
     });
+    document.addEventListener("selectstart", (e) => { if (V.drawing) e.preventDefault(); });
     area.addEventListener("pointermove", (e) => {
       if (V.drawing && e.pointerId === V.drawing.pointerId) extendStroke(e.getCoalescedEvents ? e.getCoalescedEvents() : [e]);
     });
@@ -373,8 +385,8 @@
     document.addEventListener("click", (e) => {
       const row = e.target.closest && e.target.closest("#image-list .image-row");
       if (row) { leave(); return; }
-      if (!V.id) return;
       const button = e.target.closest && e.target.closest("button");
+      if (!V.id) return;
       if (button && routes[button.id]) {
         e.preventDefault();
         e.stopImmediatePropagation();
