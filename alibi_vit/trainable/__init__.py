@@ -18,8 +18,20 @@ from .datasets import load_micrographs
 from .io import read_grayscale, read_labels, to_unit_float
 from .scribbles import scribbles
 from .segmenter import TrainableSegmenter
-from .volumes import VolumeSegmenter
-from .vit import ViTFeatures, vit_patch_features
+from .volumes import VolumeSegmenter  # (registers the 3D models TrainableSegmenter.load opens)
+
+# Imported on first use (PEP 562): they need PyTorch, which classical features on the CPU do not.
+_LAZY = {"ViTFeatures": "vit", "vit_patch_features": "vit"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["TrainableSegmenter", "ViTFeatures", "VolumeSegmenter", "classical_feature_names", "classical_features",
            "dense_crf", "load_micrographs", "mean_iou", "membrane_kernels", "read_grayscale", "read_labels", "scribble_benchmark",

@@ -27,14 +27,16 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import cv2
 import numpy as np
-import torch
-import torch.nn.functional as F
 from scipy import ndimage as ndi
 
 from .io import to_unit_float
+
+if TYPE_CHECKING:  # torch is imported where it is used: the OpenCV path needs none
+    import torch
 
 __all__ = ["DEFAULT_SIGMAS", "FILTER_SETS", "FilterSet", "classical_feature_names", "classical_features",
            "classical_features_chw", "classical_features_torch", "classical_planes", "halo", "membrane_kernels",
@@ -257,12 +259,16 @@ def classical_features_chw(image, sigmas=None, *, sigma_scale=None, intensity: s
 def _reflect_index(n: int, r: int, device) -> torch.Tensor:
     """Indices of a length-n axis padded by r on each side as scipy's mode="reflect" pads
     (d c b a | a b c d | d c b a, repeating for pads longer than the axis)."""
+    import torch
+
     i = torch.arange(-r, n + r, device=device) % (2 * n)
     return torch.where(i >= n, 2 * n - 1 - i, i)
 
 
 def _correlate1d(x: torch.Tensor, weights: torch.Tensor, axis: int) -> torch.Tensor:
     """scipy.ndimage.correlate1d(x, weights, axis, mode="reflect") for a (B, H, W) tensor; odd-length weights."""
+    import torch.nn.functional as F
+
     r = (len(weights) - 1) // 2
     dim = axis + 1
     idx = _reflect_index(x.shape[dim], r, x.device)
@@ -273,6 +279,8 @@ def _correlate1d(x: torch.Tensor, weights: torch.Tensor, axis: int) -> torch.Ten
 
 
 def _gaussian_weights(sd: float, device) -> torch.Tensor:
+    import torch
+
     r = int(TRUNCATE * sd + 0.5)  # scipy's radius for gaussian_filter
     x = torch.arange(-r, r + 1, dtype=torch.float64)
     w = torch.exp(-0.5 * x * x / (sd * sd))
@@ -283,6 +291,9 @@ def classical_features_torch(image01, sigmas=None, *, sigma_scale=None, device=N
     """(F, H, W) float32: :func:`classical_features_chw` of an (H, W) image in [0, 1] computed with
     torch, on ``device`` (default CUDA when available, else CPU). Agrees with the OpenCV path to
     float32 rounding (the tests check 1e-4 relative, 1e-5 absolute)."""
+    import torch  # here, not at the module's top: the OpenCV path (the CPU default) needs no torch
+    import torch.nn.functional as F
+
     fs = filter_set(filters, sigmas, sigma_scale)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     x = torch.as_tensor(np.ascontiguousarray(image01, np.float32), device=device)

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["CLASSIFIERS", "DEFAULT_CLASSIFIER", "balanced_weights", "fit_classifier", "load_classifier",
-           "make_classifier", "midpoint_thresholds"]
+__all__ = ["CLASSIFIERS", "DEFAULT_CLASSIFIER", "balanced_weights", "fit_classifier", "import_in_background",
+           "load_classifier", "make_classifier", "midpoint_thresholds"]
 
 CLASSIFIERS = ("xgboost", "random_forest")
 DEFAULT_CLASSIFIER = "random_forest"
@@ -45,6 +45,31 @@ DEFAULTS = {
     "random_forest": dict(n_estimators=25, max_depth=12, subsample=0.3, colsample_bynode=0.3,
                           tree_method="hist", max_bin=128),
 }
+
+
+_IMPORTER: list = []  # the background import's thread, once started
+
+
+def import_in_background() -> None:
+    """Start importing XGBoost (and, through its scikit-learn interface, scikit-learn) in a daemon thread, once
+    per process: about 1.4 s of a first fit on a 2-core CPU, spent while the features are computed. The import
+    in :func:`make_classifier` then finds the module loaded, or waits for the thread to finish it (Python's
+    import lock); a failed background import is ignored, that import raises the error itself."""
+    import sys
+    import threading
+
+    if _IMPORTER or "xgboost.sklearn" in sys.modules:
+        return
+
+    def load():
+        try:
+            import xgboost.sklearn  # noqa: F401
+        except Exception:  # make_classifier's own import reports it
+            pass
+
+    thread = threading.Thread(target=load, name="alibi-vit-import-xgboost", daemon=True)
+    _IMPORTER.append(thread)
+    thread.start()
 
 
 def make_classifier(kind: str = DEFAULT_CLASSIFIER, seed: int = 0, n_jobs: int | None = None, **params):

@@ -25,14 +25,14 @@ import json
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch.nn as nn
 from tqdm.auto import tqdm
 
 from .classical import (classical_feature_names, classical_features_torch, classical_planes, filter_set, halo,
                         pixel_major)
-from .classifier import CLASSIFIERS, DEFAULT_CLASSIFIER, fit_classifier, load_classifier
+from .classifier import CLASSIFIERS, DEFAULT_CLASSIFIER, fit_classifier, import_in_background, load_classifier
 from .crf import CRF_DEFAULTS, CRF_PRESETS, dense_crf_tiled
 from ..chunked import ChunkedImage, sample_tiles
 from ..images import INTENSITY_MODES, fit_intensity_range, scale_colour, scale_to_range
@@ -40,6 +40,9 @@ from .cache import FeatureCache
 from .io import as_grayscale, to_unit_float
 from .sources import ArraySource, ChunkedSource, chunked_range, label_region, labels_shape
 from .tiles import Tile, TileGrid
+
+if TYPE_CHECKING:  # torch is imported where a backbone needs it
+    import torch.nn as nn
 
 __all__ = ["INTENSITY", "TrainableSegmenter", "modal_filter", "resolve_feature_fn", "sample_quotas"]
 
@@ -61,6 +64,21 @@ DEFAULT_FILTERS = "compact"  # chosen on the labelled micrograph set's training 
 
 
 _KINDS: dict[int, type] = {}  # segmenter class by the dimensions of its images (2: this module's; 3: volumes)
+
+
+def default_device() -> str:
+    """"cuda" when torch sees a GPU, else "cpu"; without importing torch (seconds) where no GPU driver is
+    installed: Linux without NVIDIA's (/proc/driver/nvidia), AMD's (/dev/kfd) or WSL2's GPU (/dev/dxg) driver
+    has no GPU torch can use, so the classical features' CPU path there starts without PyTorch."""
+    import os
+    import sys
+
+    drivers = ("/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+    if "torch" not in sys.modules and sys.platform.startswith("linux") and not any(map(os.path.exists, drivers)):
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _round_up(n: int, m: int) -> int:
@@ -224,9 +242,7 @@ class TrainableSegmenter:
             raise ValueError(f"unknown CRF parameters {sorted(set(crf_params) - set(CRF_DEFAULTS))}")
         if tile < PATCH_ALIGN:
             raise ValueError(f"tile must be at least {PATCH_ALIGN} px, got {tile}")
-        import torch
-
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = device or default_device()
         if crf is True:
             crf = DEFAULT_CRF_PRESET
         if crf and crf not in CRF_PRESETS:
@@ -256,6 +272,8 @@ class TrainableSegmenter:
         self.backbone_spec = None
         self.vit = None
         if backbone is not None:
+            import torch.nn as nn
+
             from .vit import ViTFeatures
 
             if isinstance(backbone, nn.Module):
@@ -582,6 +600,7 @@ class TrainableSegmenter:
             fitted intensity range). Returns self.
         """
         labels = _as_list(labels, "labels", self.dims)
+        import_in_background()  # XGBoost (and scikit-learn) load while the features are computed
         with self._call():
             sources = self._prepare(images, fit=True)
             if len(labels) != len(sources):

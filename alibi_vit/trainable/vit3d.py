@@ -32,7 +32,6 @@ from __future__ import annotations
 import numpy as np
 
 from .cache import array_digest
-from .vit import patch_map, upsample_patches
 
 __all__ = ["COMBINE", "TriplanarViT", "slice_axes"]
 
@@ -85,6 +84,8 @@ class TriplanarViT:
             return np.squeeze(src.read(*region), axis=axis)
 
         def compute():
+            from .vit import patch_map  # (PyTorch, imported where ViT features are asked for)
+
             gh, gw = -(-shape[0] // p), -(-shape[1] // p)
             return patch_map(self.vit.model, read, shape, slice(0, gh), slice(0, gw), tile=self.vit.tile,
                              overlap=self.vit.overlap, device=self.vit.device)
@@ -122,6 +123,8 @@ class TriplanarViT:
     def features(self, src, core, axis: int = 0, planes=None) -> np.ndarray:
         """(F, *shape) features of the voxels of ``core`` ((z, y, x) slices), or only its ``planes``
         (indices within the core along ``axis``)."""
+        from .vit import upsample_patches  # (PyTorch, imported where ViT features are asked for)
+
         p = self._patch()
         span = [np.arange(c.start, c.stop) for c in core]
         if planes is not None:
