@@ -143,3 +143,14 @@ def serve_app(app):
         sock.close()
 
     return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
+
+
+def png_pixels(response):
+    """The pixels of an app's PNG answer (an HTTP response), after checking it is a 200."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    assert response.status_code == 200, response.text
+    return np.asarray(Image.open(io.BytesIO(response.content)))

@@ -6,7 +6,6 @@ Laziness is proved by counting the chunks read from the image's store; results a
 references computed without the app (the image's levels read with zarr, numpy means and max-pools,
 and a segmenter fitted on the whole image as an array)."""
 
-import io
 import json
 import time
 from pathlib import Path
@@ -14,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from PIL import Image
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
@@ -27,6 +25,7 @@ from alibi_vit.cli.main import main  # noqa: E402
 from alibi_vit.synthetic import synthetic_micrograph  # noqa: E402
 from alibi_vit.trainable import TrainableSegmenter  # noqa: E402
 from alibi_vit.trainable.writers import ZarrOutput  # noqa: E402
+from tests.helpers import png_pixels as png  # noqa: E402
 from tests.helpers import serve_app  # noqa: E402
 
 SIZE, CHUNK, TILE = 1024, 128, 252  # image px, storage chunk px, featurisation tile px (18 patches)
@@ -79,10 +78,6 @@ def start(tmp_path):
     for engine in engines:
         engine.close()
 
-
-def png(response) -> np.ndarray:
-    assert response.status_code == 200, response.json()
-    return np.asarray(Image.open(io.BytesIO(response.content)))
 
 
 def ome_zarr(tmp_path, image) -> tuple[Path, Path]:

@@ -2,13 +2,11 @@
 keeps the session's one), and a big TIFF without a pyramid shown coarse first, from a few of its
 rows, before any of its finer display levels is built."""
 
-import io
 
 import numpy as np
 import pytest
 import tifffile
 import zarr
-from PIL import Image
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
@@ -16,6 +14,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from alibi_vit.app.engine import Engine  # noqa: E402
 from alibi_vit.app.server import create_app  # noqa: E402
 from alibi_vit.app.session import Session  # noqa: E402
+from tests.helpers import png_pixels as png  # noqa: E402
 
 
 @pytest.fixture
@@ -31,10 +30,6 @@ def start(tmp_path):
     for engine in engines:
         engine.close()
 
-
-def png(response) -> np.ndarray:
-    assert response.status_code == 200, response.text
-    return np.asarray(Image.open(io.BytesIO(response.content)))
 
 
 def stretched(pixels, lo, hi) -> np.ndarray:

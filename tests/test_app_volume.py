@@ -25,6 +25,7 @@ from alibi_vit.app.volume import Volumes  # noqa: E402
 from alibi_vit.app.volume_labels import BLOCK, SparseVolumeLabels  # noqa: E402
 from alibi_vit.chunked import open_volume  # noqa: E402
 from alibi_vit.cli.main import main  # noqa: E402
+from tests.helpers import png_pixels as png  # noqa: E402
 
 RED, GREEN = "#ff0000", "#00ff00"
 
@@ -58,10 +59,6 @@ def start(tmp_path):
     for engine in engines:
         engine.close()
 
-
-def png(response) -> np.ndarray:
-    assert response.status_code == 200, response.text
-    return np.asarray(Image.open(io.BytesIO(response.content)))
 
 
 def finished(client, started, timeout: float = 60) -> dict:
