@@ -37,13 +37,17 @@ or to the deterministic two-kernel backward), ``triton-sqrt`` (fused kernel, per
 ``triton-sqrt-bwd`` and ``triton-table-bwd`` (difference-table forward; the backward forced to the
 per-element sqrt or to the table gather, whatever the default picks),
 ``triton-nobias`` (the same fused kernels with the bias compiled out: the like-for-like ceiling),
-``flex`` (FlexAttention with the sqrt score_mod) and ``flex-table`` (with the difference-table
-gather score_mod), both compiled with ``mode="max-autotune-no-cudagraphs"`` so they are tuned like
+``flex`` (FlexAttention with the sqrt score_mod), ``flex-table`` (with the difference-table
+gather score_mod) and ``flex-dense`` (reading the materialised (N, N) bias), all compiled with ``mode="max-autotune-no-cudagraphs"`` so they are tuned like
 the autotuned Triton kernels (``--flex-mode default``: without autotuning), ``flex-flash`` (the
 sqrt score_mod on flex's FLASH backend, where the installed torch and flash-attn-4 have it), ``flex-nobias`` (flex without score_mod), ``sdpa-bias``
-(SDPA with the materialised (N, N) bias), ``sdpa-nobias`` (SDPA without bias), each SDPA also
-pinned to one kernel (``sdpa-nobias-flash``, ``-cudnn``, ``-efficient``; ``sdpa-bias-cudnn``,
-``-efficient``), and ``eager`` (explicit softmax, where it fits). A backend the device, dtype or
+(SDPA with the materialised bias as the production ``sdpa`` backend passes it: (N, N) for constant
+slopes, (1, H, N, N) per head, the shapes cuDNN takes), ``sdpa-nobias`` (SDPA without bias), each SDPA
+also pinned to one kernel (``sdpa-nobias-flash``, ``-cudnn``, ``-efficient``; ``sdpa-bias-cudnn``,
+``-efficient``, ``-math``), ``eager`` (explicit softmax, where it fits), and ``auto`` (the model's
+default: on a GPU it times the fused kernel against SDPA with the bias once per kind of call,
+:mod:`kernels.backend_choice`; its row says what it chose, and a table compares it with the fastest
+other backend with the bias). A backend the device, dtype or
 torch lacks is reported as an error row; out-of-memory as "OOM".
 
 Results go to ``benchmarks/results/attention_<device-slug>[_<tag>].{md,json}`` (``--out-dir``,
@@ -78,19 +82,20 @@ SIZES = (224, 518, 1022, 2072)
 # the row's `kernel` says what ran). Flash takes no arbitrary mask, hence no sdpa-bias-flash.
 SDPA_PINNED = {"sdpa-nobias-flash": "FLASH_ATTENTION", "sdpa-nobias-cudnn": "CUDNN_ATTENTION",
                "sdpa-nobias-efficient": "EFFICIENT_ATTENTION", "sdpa-bias-cudnn": "CUDNN_ATTENTION",
-               "sdpa-bias-efficient": "EFFICIENT_ATTENTION"}
+               "sdpa-bias-efficient": "EFFICIENT_ATTENTION", "sdpa-bias-math": "MATH"}
 # Variants that differ from "triton" in the backward only (their forward rows would repeat triton's).
 BACKWARD_VARIANTS = ("triton-atomic-dq", "triton-two-kernel", "triton-sqrt-bwd", "triton-table-bwd")
 TRITON_VARIANTS = ("triton", "triton-atomic-dq", "triton-two-kernel", "triton-sqrt", "triton-sqrt-bwd", "triton-table-bwd",
                    "triton-nobias")
-FLEX_VARIANTS = ("flex", "flex-table", "flex-flash", "flex-nobias")
-BACKENDS = (*TRITON_VARIANTS, *FLEX_VARIANTS, "sdpa-bias", "sdpa-nobias", *SDPA_PINNED, "eager")
+FLEX_VARIANTS = ("flex", "flex-table", "flex-dense", "flex-flash", "flex-nobias")
+BACKENDS = ("auto", *TRITON_VARIANTS, *FLEX_VARIANTS, "sdpa-bias", "sdpa-nobias", *SDPA_PINNED, "eager")
 NOBIAS = ("triton-nobias", "flex-nobias", "sdpa-nobias", "sdpa-nobias-flash", "sdpa-nobias-cudnn",
           "sdpa-nobias-efficient")
 SMOKE_BACKENDS = ("triton", "triton-atomic-dq", "triton-nobias", "sdpa-bias", "sdpa-nobias", "eager")
 # What --smoke can run on the CPU when --backends names it: Flex eagerly and forward only (torch has no CPU
 # flex backward); not the SDPA kernels pinned to CUDA implementations.
-SMOKE_CAPABLE = (*TRITON_VARIANTS, "flex", "flex-table", "flex-nobias", "sdpa-bias", "sdpa-nobias", "eager")
+SMOKE_CAPABLE = ("auto", *TRITON_VARIANTS, "flex", "flex-table", "flex-dense", "flex-nobias", "sdpa-bias", "sdpa-nobias",
+                 "sdpa-bias-math", "eager")
 MODES = ("fwd", "fwd+bwd")
 SLOPES = ("constant", "per-head", "learned")
 PATCH, PREFIX, HEAD_DIM = 14, 5, 64
@@ -146,7 +151,7 @@ def _flex_compiled(variant, mode=FLEX_COMPILE_MODES[0]):
     if (variant, mode) not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
-        from kernels.alibi_flex import _alibi_flex, _alibi_flex_table
+        from kernels.alibi_flex import _alibi_flex, _alibi_flex_dense, _alibi_flex_table
 
         if variant == "nobias":
             fn = lambda q, k, v: flex_attention(q, k, v)  # noqa: E731
@@ -155,6 +160,8 @@ def _flex_compiled(variant, mode=FLEX_COMPILE_MODES[0]):
                 return _alibi_flex(q, k, v, head_scale, h, w, prefix, wrap, kernel_options={"BACKEND": "FLASH"})
         elif variant == "table":
             fn = _alibi_flex_table
+        elif variant == "dense":
+            fn = _alibi_flex_dense
         else:
             fn = _alibi_flex
         _FLEX[variant, mode] = torch.compile(fn, dynamic=False, mode=mode) if mode else fn
@@ -194,6 +201,18 @@ def backend_fns(names, grid, flex_mode=FLEX_COMPILE_MODES[0]):
                 return _flex_compiled("table", flex_mode)(q, k, v, scale,
                                                              *table_arguments(grid, PREFIX, True, True, q.device))
             fns[name] = fn
+        elif name == "flex-dense":
+            from kernels.attention import _shared_bias
+
+            def fn(q, k, v, s):
+                scale = torch.ones(q.shape[1], device=q.device) if s is None else s.float()
+                bias = _shared_bias(grid, PREFIX, True, True, q.device, q.dtype)
+                return _flex_compiled("dense", flex_mode)(q, k, v, scale, bias)
+            fns[name] = fn
+        elif name == "auto":
+            from kernels.attention import alibi_attention
+
+            fns[name] = lambda q, k, v, s: alibi_attention(q, k, v, grid, PREFIX, s)
         elif name == "flex-nobias":
             fns[name] = lambda q, k, v, s: _flex_compiled("nobias", flex_mode)(q, k, v)
         elif name == "sdpa-bias":
@@ -286,6 +305,17 @@ def attention_kernels(call):
     return sorted(n for n in names if any(k in n.lower() for k in keys))[:6]
 
 
+def auto_choice_of(shape, slope_kind, mode):
+    """What ``backend="auto"`` chose for calls of this shape, slope kind and mode, and why."""
+    from kernels import backend_choice
+
+    for kind, choice in reversed(list(backend_choice.chooser().choices.items())):
+        if kind.shape == tuple(shape) and kind.slopes == slope_kind and kind.backward == (mode == "fwd+bwd"):
+            return {"backend": choice.backend, "how": choice.how, "reason": choice.reason,
+                    "times_ms": choice.times_ms, "excluded": choice.excluded}
+    return None
+
+
 def gpu_timer(warmup, rep):
     import triton.testing
 
@@ -360,7 +390,7 @@ def run(args, progress=lambda rows: None):
                                    ms_p20=None, ms_p80=None, ms_rounds=[], ms_cudagraph=None, cudagraph_status=None,
                                    tflops=None, resident_mib=None, extra_mib=None, errors=None, status="ok",
                                    sdpa_backend=(SDPA_PINNED.get(name, "default") if name.startswith("sdpa") else None),
-                                   kernel=None)
+                                   kernel=None, auto_choice=None)
                         leaves = [t.detach().requires_grad_(mode == "fwd+bwd") for t in (q, k, v)]
                         sl = None if slopes is None else slopes.detach().clone().requires_grad_(learned)
                         if mode == "fwd":
@@ -392,8 +422,10 @@ def run(args, progress=lambda rows: None):
                                     call()  # steady state: caches in place, their one-time build not counted
                                     torch.cuda.synchronize()
                                     row["extra_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
-                                    if name.startswith("sdpa") or name in ("triton", "triton-nobias"):
+                                    if name.startswith("sdpa") or name in ("triton", "triton-nobias", "auto"):
                                         row["kernel"] = attention_kernels(call)
+                                if name == "auto":
+                                    row["auto_choice"] = auto_choice_of(q.shape, slope_kind, mode)
                                 entries.append((row, call))
                         except torch.cuda.OutOfMemoryError:
                             row["status"] = "OOM"
@@ -477,6 +509,36 @@ def ratios(rows):
     return out
 
 
+def launch_configs():
+    """The launch config each fused kernel ran per autotuning key so far (what an autotuned run chose, to pin)."""
+    module = sys.modules.get("kernels.alibi_triton")
+    found = {}
+    for name in ("_fwd_kernel", "_dkdv_kernel", "_dq_kernel"):
+        cache = getattr(getattr(module, name, None), "cache", None) or {}
+        if cache:
+            found[name.strip("_")] = {str(key): str(config) for key, config in cache.items()}
+    return found
+
+
+def auto_summary(rows):
+    """Per size, mode and slopes with an ``auto`` row: its time against the fastest other backend with the
+    bias (> 1: auto lost by that factor), and what it chose."""
+    out = []
+    for r in rows:
+        if r["backend"] != "auto" or r["ms"] is None:
+            continue
+        others = [o for o in rows if o["ms"] is not None and o["backend"] not in (*NOBIAS, "auto", "eager")
+                  and (o["model"], o["image_px"], o["mode"], o["slopes"]) == (r["model"], r["image_px"], r["mode"],
+                                                                             r["slopes"])]
+        best = min(others, key=lambda o: o["ms"]) if others else None
+        choice = r["auto_choice"] or {}
+        out.append(dict(model=r["model"], image_px=r["image_px"], mode=r["mode"], slopes=r["slopes"], auto_ms=r["ms"],
+                        chose=choice.get("backend"), how=choice.get("how"), fastest_other=best and best["backend"],
+                        fastest_other_ms=best and best["ms"],
+                        auto_vs_fastest=round(r["ms"] / best["ms"], 3) if best else None))
+    return out
+
+
 def write_reports(args, rows, ratio_rows, meta):
     def fmt(x, nd=2):
         return "-" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
@@ -518,8 +580,19 @@ def write_reports(args, rows, ratio_rows, meta):
                      f"({e['best_sdpa_nobias'] or '-'}) | {fmt(e['memory_vs_best_sdpa_nobias'], 3)} | "
                      f"{fmt(e['speed_vs_best_flex'], 3)} ({e['best_flex'] or '-'}) | "
                      f"{fmt(e['speed_vs_sdpa-bias'], 3)} |")
+    auto_rows = auto_summary(rows)
+    if auto_rows:
+        lines += ["", "`auto` against the fastest other backend with the bias (auto ms / its ms; ≤ 1 means auto "
+                  "lost nothing):", "",
+                  "| model | px | mode | slopes | auto chose (how) | auto ms | fastest other (ms) | auto / fastest |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for e in auto_rows:
+            lines.append(f"| {e['model']} | {e['image_px']} | {e['mode']} | {e['slopes']} | {e['chose'] or '-'} "
+                         f"({e['how'] or '-'}) | {fmt(e['auto_ms'], 3)} | {e['fastest_other'] or '-'} "
+                         f"({fmt(e['fastest_other_ms'], 3)}) | {fmt(e['auto_vs_fastest'], 3)} |")
     name = f"attention_{meta['device_slug']}" + (f"_{args.tag}" if args.tag else "")
-    return write_report(args.out_dir, name, {**meta, "rows": rows, "ratios": ratio_rows}, lines, smoke=args.smoke)
+    return write_report(args.out_dir, name, {**meta, "rows": rows, "ratios": ratio_rows, "auto": auto_rows,
+                                             "launch_configs": launch_configs()}, lines, smoke=args.smoke)
 
 
 def main(argv=None):

@@ -144,17 +144,22 @@ def build(variant: str, model: str, device, dtype, smoke: bool):
     return net.eval().to(dtype)
 
 
-def attention_ran(net, device, dtype) -> str:
-    """The backend the model's attention layers take (``auto`` resolved), or timm's own SDPA."""
+def attention_ran(net, device, dtype, tokens: int, batch: int, compiled: bool) -> str:
+    """The backend the model's attention layers took after a first call: ``auto`` resolved (what it chose for
+    calls of this batch and token count, and how), or timm's own SDPA."""
+    from kernels import backend_choice
     from kernels.attention import auto_backend
 
     backend = getattr(net.blocks[0].attn, "backend", None)
     if backend is None:
         return "timm sdpa"
-    if backend == "auto":
-        head_dim = net.blocks[0].attn.head_dim
-        return f"auto → {auto_backend(device.type, head_dim, dtype)}"
-    return backend
+    if backend != "auto":
+        return backend
+    if compiled:  # torch.compile traces the rule's backend
+        return f"auto → {auto_backend(device.type, net.blocks[0].attn.head_dim, dtype)} (rule, compiled)"
+    picks = sorted({f"{c.backend} ({c.how})" for kind, c in backend_choice.chooser().choices.items()
+                    if kind.shape[0] == batch and kind.shape[2] == tokens})
+    return "auto → " + ", ".join(picks) if picks else "auto"
 
 
 def profile_attention(call, device_type: str) -> tuple[list[str], float | None]:
@@ -221,7 +226,6 @@ def measure(args, variant: str, model: str, size: int, compiled: bool = False) -
         if device.type == "cuda":
             torch.cuda.empty_cache()
         net = build(variant, model, device, dtype, args.smoke)
-        row["ran"] = attention_ran(net, device, dtype)
         if device.type == "cuda":
             row["weights_gib"] = round(torch.cuda.memory_allocated() / 2**30, 3)
         gen = torch.Generator(device="cpu").manual_seed(size)
@@ -235,6 +239,7 @@ def measure(args, variant: str, model: str, size: int, compiled: bool = False) -
                 return forward(inputs[turn[0] % 2])
 
         row["first_call_s"] = round(clock(call), 3)
+        row["ran"] = attention_ran(net, device, dtype, n, batch, compiled)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         once = clock(call)  # the steady state: caches built, kernels compiled

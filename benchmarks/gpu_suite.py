@@ -16,6 +16,17 @@ Phases, in the order to run them (one command each):
     tests       the GPU test files (the kernel and attention tests) in several pytest processes side by
                 side, so their cold kernel compiles share the CPU cores; pinned launch configs
                 (ALIBI_TRITON_AUTOTUNE=0) (gpu_tests_<device>.json)
+    fair        benchmarks/bench_attention.py, ViT-B at 518 and 1022 px, every slope kind, fwd and fwd+bwd: the
+                default (auto) and the fused kernel (and its bias-free build) beside cuDNN without the bias and
+                with it (2-D mask for constant slopes, 4-D per head), torch's own SDPA pick and the
+                memory-efficient fallback; each row names the kernel that ran (attention_<device>_fair.{json,md})
+    auto        auto against each of its candidates (the fused kernel, SDPA with the bias) at 224, 518, 1022 and
+                2072 px, every slope kind and pass; what auto chose and its time over the fastest
+                (attention_<device>_auto.{json,md})
+    learned-ab  benchmarks/bench_backward_kernels.py: every kernel of one fwd+bwd timed apart per slope kind at
+                518 and 1022 px (backward_kernels_<device>.{json,md}); with Nsight Compute on the image, ncu's
+                full report of the dK/dV kernel for constant and learned slopes at 518 px
+                (ncu_dkdv_{constant,learned}_<device>.txt)
     model       benchmarks/bench_model.py: forward throughput and peak memory of ViT-S and ViT-B at 518, 1022,
                 2044 and 224 px, bf16: DINOv2 (learned position embedding, SDPA) against ALiBi on the fused
                 kernel, auto, SDPA with the materialised bias and Flex; the two fastest again under
@@ -39,6 +50,12 @@ Phases, in the order to run them (one command each):
     flex-learned  the same with learned slopes at 518 px, flex compiled without autotuning (on an H100 one
                 max-autotune step of flex's learned-slope backward took 191 s: the flex phases time constant and
                 per-head slopes within their limit, never learned ones) (attention_<device>_flex-learned-518.*)
+    flex-dense  Flex reading the materialised bias (flex-dense) beside the table score_mod and the fused kernel,
+                constant and per-head slopes, max-autotune, at 518 px (attention_<device>_flex-dense-518.*)
+    flex-dense-1022  the same at 1022 px
+    configs     the fused kernel and its bias-free build autotuned on the timed shapes
+                (ALIBI_TRITON_AUTOTUNE=1) at 518 and 1022 px; the JSON keeps the configs the autotuner chose
+                (attention_<device>_configs.{json,md})
     sass        benchmarks/bench_kernel_sass.py with the machine's Triton (3.6 there): every config,
                 head_dim 64 and 128, bf16, compiled on all CPU cores (kernel_sass_sm90_triton<v>.{json,md})
     all         every phase above in order, for a machine without the 10-minute limit
@@ -84,11 +101,19 @@ GPU_TEST_FILES = ("tests/test_triton_attention.py", "tests/test_flex_attention.p
 SWEEP_BACKENDS = ("triton", "triton-two-kernel", "triton-nobias", "sdpa-bias", "sdpa-bias-cudnn",
                   "sdpa-bias-efficient", "sdpa-nobias-flash", "sdpa-nobias-cudnn", "sdpa-nobias-efficient")
 FLEX_BACKENDS = ("triton", "flex", "flex-table", "flex-nobias")
+# The fair baselines of one run: the default (auto) and the fused kernel beside cuDNN with and without the bias
+# (2-D mask for constant slopes, 4-D per head), torch's own pick and the memory-efficient fallback.
+FAIR_BACKENDS = ("auto", "triton", "triton-nobias", "sdpa-bias", "sdpa-bias-cudnn", "sdpa-bias-efficient",
+                 "sdpa-nobias-cudnn", "sdpa-nobias-flash")
+# auto against each of its candidates.
+AUTO_BACKENDS = ("auto", "triton", "sdpa-bias")
+# Flex reading the materialised bias, beside its best score_mod so far and the fused kernel.
+FLEX_DENSE_BACKENDS = ("triton", "flex-table", "flex-dense")
 # What the GPU image has and lacks (the env phase reports each).
 OPTIONAL_MODULES = ("pytest", "lightning", "timm", "skimage", "tifffile", "jsonargparse", "fastapi", "uvicorn",
                     "xgboost", "pycocotools", "pydensecrf2", "playwright")
-PHASES = ("env", "tests", "model", "train", "seg", "sweep-518", "sweep-1022", "sweep-2072", "flex", "flex-1022",
-          "flex-learned", "sass")
+PHASES = ("env", "tests", "fair", "auto", "learned-ab", "model", "train", "seg", "sweep-518", "sweep-1022",
+          "sweep-2072", "flex", "flex-1022", "flex-learned", "flex-dense", "flex-dense-1022", "configs", "sass")
 # What a benchmark keeps of a phase's time for writing its results after its last row starts.
 ROW_RESERVE = {"model": 45, "train": 40, "seg": 30}
 
@@ -335,6 +360,38 @@ def flex_phase(phase, size, learned=False):
     return sweep_phase(phase, [size], f"flex-{size}", FLEX_BACKENDS, ("--slopes", "constant", "--modes", "fwd"))
 
 
+def learned_ab_phase(phase):
+    """Every kernel of one fwd+bwd timed apart per slope kind (why the learned-slope backward ran faster), then,
+    where the image has Nsight Compute, ncu's report of the dK/dV kernel with constant and with learned slopes."""
+    stem = f"backward_kernels_{phase.device}"
+    cmd = [python(), "benchmarks/bench_backward_kernels.py", "--out-dir", phase.dest]
+    phase.run(cmd + (["--smoke"] if phase.smoke else []), phase.env(ALIBI_TRITON_AUTOTUNE="0"))
+    files = [phase.dest / f"{stem}.json", phase.dest / f"{stem}.md"]
+    ncu = shutil.which("ncu") or next((str(p) for p in (Path("/usr/local/cuda/bin/ncu"),) if p.is_file()), None)
+    if phase.smoke or ncu is None:
+        phase.say("ncu: " + ("not run in a smoke run" if phase.smoke else "not on this image; the profiler rows stand "
+                             "alone"))
+        return files
+    for slopes in ("constant", "learned"):
+        report = phase.dest / f"ncu_dkdv_{slopes}_{phase.device}.txt"
+        phase.run([ncu, "--profile-from-start", "off", "--kernel-name", "regex:dkdv", "--launch-count", "1",
+                   "--set", "full", "--log-file", report, python(), "benchmarks/bench_backward_kernels.py", "--ncu",
+                   "--sizes", "518", "--slopes", slopes], phase.env(ALIBI_TRITON_AUTOTUNE="0"))
+        files.append(report)
+    return files
+
+
+def configs_phase(phase):
+    """The fused kernel autotuned on the timed shapes (ALIBI_TRITON_AUTOTUNE=1): its times beside the pinned
+    configs' (the fair phase) and the configs the autotuner chose, to pin from the GPU rather than the proxy."""
+    cmd = [python(), "benchmarks/bench_attention.py", "--models", "vit-b", "--sizes", "518", "1022", "--repeats", "3",
+           "--rep", "50", "--backends", "triton", "triton-nobias", "--out-dir", phase.dest, "--tag", "configs"]
+    cmd += ["--smoke", "--slopes", "constant", "--modes", "fwd"] if phase.smoke else []
+    phase.run(cmd, phase.env(ALIBI_TRITON_AUTOTUNE="1"))
+    name = f"attention_{'cpu-smoke' if phase.smoke else phase.device}_configs"
+    return [phase.dest / f"{name}.json", phase.dest / f"{name}.md"]
+
+
 def sass_phase(phase):
     import triton
 
@@ -409,6 +466,16 @@ def seg_phase(phase):
 RUNNERS = {
     "env": env_phase,
     "tests": tests_phase,
+    "fair": lambda phase: sweep_phase(phase, [518, 1022], "fair", FAIR_BACKENDS),
+    "auto": lambda phase: sweep_phase(phase, [224, 518, 1022, 2072], "auto", AUTO_BACKENDS),
+    "learned-ab": learned_ab_phase,
+    "configs": configs_phase,
+    "flex-dense": lambda phase: sweep_phase(phase, [518], "flex-dense-518", FLEX_DENSE_BACKENDS,
+                                            ("--slopes", "constant", "--modes", "fwd"),
+                                            ("--slopes", "constant", "per-head")),
+    "flex-dense-1022": lambda phase: sweep_phase(phase, [1022], "flex-dense-1022", FLEX_DENSE_BACKENDS,
+                                                 ("--slopes", "constant", "--modes", "fwd"),
+                                                 ("--slopes", "constant", "per-head")),
     "sweep-518": lambda phase: sweep_phase(phase, [224, 518], "518"),
     "sweep-1022": lambda phase: sweep_phase(phase, [1022], "1022"),
     "sweep-2072": lambda phase: sweep_phase(phase, [2072], "2072"),

@@ -13,6 +13,9 @@ Two score_mods give the same bias (``bias_mode``):
   codes ``-b_j``, ``B_ij = T[a_i - b_j]``, prefix codes landing in zeros), captured as tensors: one
   gathered load and an add per logit instead of the integer divisions, wrap and ``sqrt``. It is the
   fairest Flex rival of the fused kernel's own gather, and any metric is just another table.
+* ``"dense"``: reads ``B_ij`` from the materialised ``(N, N)`` bias that the sdpa backend shares
+  (:func:`kernels.alibi_bias.cached_alibi_bias`, in the inputs' dtype): one load per logit and no index
+  arithmetic, at the sdpa backend's O(N²) memory. The way Flex applies a T5-style bias; a baseline.
 
 Execution:
 
@@ -36,11 +39,11 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from .alibi_bias import check_grid, check_metric, device_bias_lookup, max_distance
+from .alibi_bias import cached_alibi_bias, check_grid, check_metric, device_bias_lookup, max_distance
 
 __all__ = ["BIAS_MODES", "flex_alibi_attention"]
 
-BIAS_MODES = ("sqrt", "table")
+BIAS_MODES = ("sqrt", "table", "dense")
 _COMPILED = {}
 
 
@@ -74,9 +77,19 @@ def _alibi_flex_table(q, k, v, head_scale, query_codes, key_codes, table, kernel
     return flex_attention(q, k, v, score_mod=score_mod, kernel_options=kernel_options)
 
 
+def _alibi_flex_dense(q, k, v, head_scale, bias, kernel_options=None):
+    def score_mod(score, b, head, q_idx, kv_idx):
+        return score + (bias[q_idx, kv_idx] * head_scale[head]).to(score.dtype)
+
+    return flex_attention(q, k, v, score_mod=score_mod, kernel_options=kernel_options)
+
+
+_SCORE_MODS = {"sqrt": _alibi_flex, "table": _alibi_flex_table, "dense": _alibi_flex_dense}
+
+
 def _compiled(bias_mode="sqrt"):
     if bias_mode not in _COMPILED:
-        _COMPILED[bias_mode] = torch.compile(_alibi_flex_table if bias_mode == "table" else _alibi_flex, dynamic=False)
+        _COMPILED[bias_mode] = torch.compile(_SCORE_MODS[bias_mode], dynamic=False)
     return _COMPILED[bias_mode]
 
 
@@ -96,7 +109,8 @@ def flex_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, no
 
     Same contract as :func:`kernels.alibi_attention`: (B, heads, N, head_dim) in and out,
     ``slopes`` of shape (heads,) or None (slope 1, no gradient); ``metric`` "euclidean" or "manhattan";
-    ``bias_mode`` "sqrt" (the bias from token indices) or "table" (gathered from a difference table).
+    ``bias_mode`` "sqrt" (the bias from token indices), "table" (gathered from a difference table) or
+    "dense" (read from the materialised (N, N) bias).
     """
     if not q.is_floating_point():
         raise ValueError(f"the flex backend needs floating-point inputs, got {q.dtype}")
@@ -125,6 +139,12 @@ def flex_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, no
         tables = table_arguments((h, w), prefix, wrap, normalize, q.device, metric)
         run = _compiled("table") if q.device.type == "cuda" else _alibi_flex_table
         return run(q, k, v, head_scale, *tables)
+    if bias_mode == "dense":
+        with torch.inference_mode(False), torch.no_grad():  # the shared bias stays an ordinary tensor
+            bias = cached_alibi_bias((h, w), prefix, bool(wrap), bool(normalize), q.device, q.dtype,
+                                     *(() if metric == "euclidean" else (metric,)))
+        run = _compiled("dense") if q.device.type == "cuda" else _alibi_flex_dense
+        return run(q, k, v, head_scale, bias)
     if q.device.type == "cuda":
         if manhattan:  # its own compiled variant; the Euclidean call is unchanged
             return _compiled()(q, k, v, head_scale, h, w, prefix, bool(wrap), True)

@@ -14,7 +14,9 @@ with ``B`` from :func:`kernels.alibi_bias`. Backends differ only in how ``B`` is
 - ``"flex"``: ``torch.nn.attention.flex_attention`` with an equivalent score_mod
   (:mod:`kernels.alibi_flex`).
 
-``"auto"`` picks triton for CUDA tensors it supports, sdpa elsewhere (see :func:`auto_backend`).
+``"auto"`` follows a rule (:func:`auto_backend`: triton for CUDA tensors it supports, sdpa elsewhere)
+on the CPU; on a GPU it times the fused kernel against SDPA with the materialised bias once per kind
+of call and runs the faster (:mod:`kernels.backend_choice`; :func:`kernels.explain` says what it chose).
 Every backend also takes ``metric="manhattan"`` (``d = dy + dx``; see :mod:`kernels.alibi_bias`).
 """
 
@@ -25,9 +27,12 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import backend_choice
 from .alibi_bias import cached_alibi_bias, check_grid, check_metric
 
-__all__ = ["BACKENDS", "alibi_attention", "auto_backend", "resolve_backend"]
+__all__ = ["BACKENDS", "alibi_attention", "auto_backend", "explain", "resolve_backend"]
+
+explain = backend_choice.explain
 
 BACKENDS = ("auto", "eager", "sdpa", "triton", "flex")
 
@@ -69,7 +74,9 @@ def eager_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, n
 
 def sdpa_alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes, wrap, normalize, metric="euclidean"):
     bias = _shared_bias(grid_size, num_prefix_tokens, wrap, normalize, q.device, q.dtype, metric)
-    mask = bias if slopes is None else slopes.to(q.dtype).view(-1, 1, 1) * bias
+    # Per-head slopes make a 4-D (1, heads, N, N) mask: torch's cuDNN attention takes 2-D and 4-D masks
+    # only, and a 3-D one would send every per-head call to the slower memory-efficient kernel.
+    mask = bias if slopes is None else slopes.to(q.dtype).view(1, -1, 1, 1) * bias
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -97,18 +104,57 @@ def auto_backend(device_type: str, head_dim: int, dtype: torch.dtype) -> str:
     return "triton"
 
 
-def resolve_backend(backend: str, q: torch.Tensor) -> str:
-    """The concrete backend ``alibi_attention(..., backend=backend)`` uses for queries ``q``.
+def _call_dtype(q):
+    device_type = q.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else q.dtype
 
-    ``"auto"``: see :func:`auto_backend`; inside ``torch.autocast`` the autocast dtype counts.
+
+def resolve_backend(backend: str, q: torch.Tensor) -> str:
+    """The backend the rule gives ``alibi_attention(..., backend=backend)`` for queries ``q``.
+
+    ``"auto"``: see :func:`auto_backend`; inside ``torch.autocast`` the autocast dtype counts. On a GPU
+    ``alibi_attention`` may run a faster candidate it timed instead (:func:`kernels.explain`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend != "auto":
         return backend
-    device_type = q.device.type
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else q.dtype
-    return auto_backend(device_type, q.shape[-1], dtype)
+    return auto_backend(q.device.type, q.shape[-1], _call_dtype(q))
+
+
+def _slope_kind(slopes, backward):
+    if slopes is None:
+        return "constant"
+    return "learned" if backward and slopes.requires_grad else "per-head"
+
+
+def _auto_choice(q, k, v, grid, prefix, slopes, wrap, normalize, metric):
+    """What ``backend="auto"`` runs for this call (:mod:`kernels.backend_choice`)."""
+    dtype = _call_dtype(q)
+    rule = auto_backend(q.device.type, q.shape[-1], dtype)
+    if torch.compiler.is_compiling():
+        return rule  # nothing is timed inside a trace; the rule decides what gets compiled
+    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+        slopes is not None and slopes.requires_grad))
+    kind = backend_choice.CallKind(q.device, dtype, tuple(q.shape), grid, prefix, wrap, normalize, metric,
+                                   _slope_kind(slopes, backward), backward)
+
+    def runner(name):
+        fn = _backend_fn(name)
+        extra = {} if metric == "euclidean" else {"metric": metric}
+
+        def run():
+            leaves = [None if t is None else t.detach().requires_grad_(backward and t.requires_grad)
+                      for t in (q, k, v, slopes)]
+            with torch.set_grad_enabled(backward):
+                out = fn(*leaves[:3], grid, prefix, leaves[3], wrap, normalize, **extra)
+                if backward:
+                    out.backward(torch.ones_like(out))
+        return run
+
+    chooser = backend_choice.chooser()
+    return chooser.choose(kind, rule, lambda: {n: runner(n) for n in chooser.candidates if n not in _UNAVAILABLE},
+                          q.device)
 
 
 def _check_inputs(q, k, v, grid_size, num_prefix_tokens, slopes):
@@ -158,7 +204,10 @@ def alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes=None, *, wrap=
     """
     grid, prefix = _check_inputs(q, k, v, grid_size, num_prefix_tokens, slopes)
     check_metric(metric)
-    name = resolve_backend(backend, q)
+    if backend == "auto":
+        name = _auto_choice(q, k, v, grid, prefix, slopes, bool(wrap), bool(normalize), metric)
+    else:
+        name = resolve_backend(backend, q)
     if metric == "euclidean":
         return _backend_fn(name)(q, k, v, grid, prefix, slopes, bool(wrap), bool(normalize))
     return _backend_fn(name)(q, k, v, grid, prefix, slopes, bool(wrap), bool(normalize), metric=metric)

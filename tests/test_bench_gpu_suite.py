@@ -104,10 +104,31 @@ def test_benchmark_phases_write_their_rows_as_they_go(gpu_image, phase, tag):
     assert len(list(out.iterdir())) <= MAX_FILES
 
 
-def test_the_other_sizes_and_the_sass_phase(gpu_image):
-    proc, out, status = _smoke(gpu_image, "sweep-1022", "sweep-2072", "flex-1022", "sass")
+def test_the_fair_baselines_the_backward_kernels_and_the_autotuned_configs(gpu_image):
+    proc, out, status = _smoke(gpu_image, "fair", "learned-ab", "configs")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    for phase, tag in (("sweep-1022", "1022"), ("sweep-2072", "2072"), ("flex-1022", "flex-1022")):
+    for phase in ("fair", "learned-ab", "configs"):
+        _check_phase(out, status, phase)
+    fair = json.loads((out / "attention_cpu-smoke_fair.json").read_text())
+    # The smoke run keeps what the CPU can run of the fair set (not the SDPA kernels pinned to CUDA ones).
+    assert {r["backend"] for r in fair["rows"]} == {"auto", "triton", "triton-nobias", "sdpa-bias"}
+    auto_rows = [r for r in fair["rows"] if r["backend"] == "auto"]
+    assert auto_rows and all(r["auto_choice"]["backend"] == "sdpa" and r["auto_choice"]["how"] == "rule"
+                             for r in auto_rows)  # the CPU follows the rule
+    assert [a["fastest_other"] for a in fair["auto"]] and all(a["auto_vs_fastest"] > 0 for a in fair["auto"])
+    kernels = json.loads((out / "backward_kernels_cpu-smoke.json").read_text())
+    assert [r["slopes"] for r in kernels["rows"]] == ["constant", "per-head", "learned"]
+    assert all({"alibi_vit::alibi_attention_fwd", "alibi_vit::alibi_attention_bwd"} <= r["kernels"].keys()
+               for r in kernels["rows"])
+    configs = json.loads((out / "attention_cpu-smoke_configs.json").read_text())
+    assert configs["autotune"] and "launch_configs" in configs
+    assert all(len(status[p]["files"]) + 1 <= MAX_FILES for p in status)
+
+
+def test_the_other_sizes_and_the_sass_phase(gpu_image):
+    proc, out, status = _smoke(gpu_image, "sweep-1022", "flex-1022", "sass")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    for phase, tag in (("sweep-1022", "1022"), ("flex-1022", "flex-1022")):
         _check_phase(out, status, phase)
         assert json.loads((out / f"attention_cpu-smoke_{tag}.json").read_text())["complete"]
     entry = _check_phase(out, status, "sass")

@@ -20,7 +20,7 @@ def test_smoke_rows_name_the_attention_path_each_variant_took(tmp_path):
     assert all(r["status"] == "ok" and r["img_per_s"] > 0 and r["first_call_s"] > 0 for r in rows), rows
     by = {(r["variant"], r["image_px"]): r for r in rows}
     # auto on the CPU is SDPA with the materialised bias; DINOv2 is timm's own SDPA; eager is explicit softmax.
-    assert by["alibi-auto", 56]["ran"] == "auto → sdpa" and by["dinov2", 56]["ran"] == "timm sdpa"
+    assert by["alibi-auto", 56]["ran"] == "auto → sdpa (rule)" and by["dinov2", 56]["ran"] == "timm sdpa"
     assert any("scaled_dot_product" in k for k in by["alibi-sdpa", 56]["kernel"])
     assert any("softmax" in k for k in by["alibi-eager", 56]["kernel"])
     assert not any("scaled_dot_product" in k for k in by["alibi-eager", 56]["kernel"])

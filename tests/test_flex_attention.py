@@ -26,7 +26,7 @@ def _ref(q, k, v, grid, prefix, slopes, wrap, normalize):
     return eager_alibi_attention(q.double(), k.double(), v.double(), grid, prefix, s, wrap, normalize)
 
 
-@pytest.mark.parametrize("bias_mode", ["sqrt", "table"])
+@pytest.mark.parametrize("bias_mode", ["sqrt", "table", "dense"])
 @pytest.mark.parametrize("grid,prefix,wrap,normalize,use_slopes", [
     ((3, 5), 1, True, True, True),
     ((5, 3), 0, False, True, False),
@@ -34,7 +34,8 @@ def _ref(q, k, v, grid, prefix, slopes, wrap, normalize):
     ((1, 1), 1, True, True, True),
 ])
 def test_forward_matches_reference_cpu(grid, prefix, wrap, normalize, use_slopes, bias_mode):
-    """Both score_mods: the bias from token indices, and gathered from the difference table."""
+    """Every score_mod: the bias from token indices, gathered from the difference table, read from the
+    materialised (N, N) bias."""
     n = prefix + grid[0] * grid[1]
     q, k, v, _ = _qkv(2, 3, n, 32, "cpu", torch.float32)
     slopes = torch.tensor([0.5, 1.0, 2.5]) if use_slopes else None
@@ -77,7 +78,7 @@ def test_cpu_training_is_refused_clearly():
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-4), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("grid,prefix,wrap,bias_mode", [((7, 9), 5, True, "sqrt"), ((16, 16), 1, False, "sqrt"),
-                                                        ((7, 9), 5, True, "table")])
+                                                        ((7, 9), 5, True, "table"), ((7, 9), 5, True, "dense")])
 def test_gpu_compiled_forward_backward_and_slope_grad(grid, prefix, wrap, bias_mode, dtype, atol):
     n = prefix + grid[0] * grid[1]
     q, k, v, do = _qkv(2, 4, n, 64, "cuda", dtype, seed=1)
