@@ -549,6 +549,7 @@ def write_reports(args, rows, ratio_rows, meta):
              f"- dtype {meta['dtype']}, head_dim {meta['head_dim']}, prefix tokens {PREFIX}, patch {PATCH}, "
              f"batch rule: {meta['batch_rule']}, {meta['repeats']} interleaved rounds, triton launch configs "
              f"{'autotuned' if meta.get('autotune', True) else 'pinned (ALIBI_TRITON_AUTOTUNE=0)'}",
+             f"- settings: {', '.join(f'{k}={v}' for k, v in meta.get('settings', {}).items()) or 'defaults'}",
              *([] if meta.get("complete", True) else ["- **incomplete**: the run was still going or was stopped"]),
              "- ms: median over rounds of do_bench medians (p20-p80 beside it); graph ms: CUDA-graph replay "
              "(no host overhead). TFLOP/s counts 4·B·H·N²·D for the forward and 3.5× that for forward+backward. "
@@ -612,6 +613,7 @@ def main(argv=None):
         batch_rule="B = 2" if args.smoke else f"B = max(1, round({args.tokens} / N))",
         repeats=1 if args.smoke else max(1, args.repeats),
         autotune=os.environ.get("ALIBI_TRITON_AUTOTUNE", "1") != "0",
+        settings={k: v for k, v in sorted(os.environ.items()) if k.startswith(("ALIBI_TRITON_", "ALIBI_VIT_ATTENTION_"))},
         smoke=bool(args.smoke), complete=False,
     )
     rows = run(args, progress=lambda done: write_reports(args, done, ratios(done), meta))

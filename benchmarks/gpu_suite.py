@@ -56,6 +56,9 @@ Phases, in the order to run them (one command each):
     configs     the fused kernel and its bias-free build autotuned on the timed shapes
                 (ALIBI_TRITON_AUTOTUNE=1) at 518 and 1022 px; the JSON keeps the configs the autotuner chose
                 (attention_<device>_configs.{json,md})
+    sqrt-offsets  the sqrt mode's offsets and wraps in int32 (the default) and in fp16 halves
+                (ALIBI_TRITON_SQRT_OFFSETS), one process each: the default and the sqrt forward at 518 and 1022 px,
+                constant and learned slopes (attention_<device>_sqrt-{int32,fp16}.{json,md})
     sass        benchmarks/bench_kernel_sass.py with the machine's Triton (3.6 there): every config,
                 head_dim 64 and 128, bf16, compiled on all CPU cores (kernel_sass_sm90_triton<v>.{json,md})
     all         every phase above in order, for a machine without the 10-minute limit
@@ -113,7 +116,8 @@ FLEX_DENSE_BACKENDS = ("triton", "flex-table", "flex-dense")
 OPTIONAL_MODULES = ("pytest", "lightning", "timm", "skimage", "tifffile", "jsonargparse", "fastapi", "uvicorn",
                     "xgboost", "pycocotools", "pydensecrf2", "playwright")
 PHASES = ("env", "tests", "fair", "auto", "learned-ab", "model", "train", "seg", "sweep-518", "sweep-1022",
-          "sweep-2072", "flex", "flex-1022", "flex-learned", "flex-dense", "flex-dense-1022", "configs", "sass")
+          "sweep-2072", "flex", "flex-1022", "flex-learned", "flex-dense", "flex-dense-1022", "configs", "sqrt-offsets",
+          "sass")
 # What a benchmark keeps of a phase's time for writing its results after its last row starts.
 ROW_RESERVE = {"model": 45, "train": 40, "seg": 30}
 
@@ -341,11 +345,11 @@ def _collected(log_path: Path, shards: int) -> dict:
 
 
 def sweep_phase(phase, sizes, tag, backends=SWEEP_BACKENDS, smoke_args=("--slopes", "constant", "--modes", "fwd+bwd"),
-                gpu_args=(), args=()):
+                gpu_args=(), args=(), settings=None):
     cmd = [python(), "benchmarks/bench_attention.py", "--models", "vit-b", "--sizes", *map(str, sizes), "--repeats",
            "3", "--rep", "50", "--backends", *backends, "--out-dir", phase.dest, "--tag", tag]
     cmd += [*args, *(("--smoke", *smoke_args) if phase.smoke else gpu_args)]
-    phase.run(cmd, phase.env(ALIBI_TRITON_AUTOTUNE="0"))
+    phase.run(cmd, phase.env(ALIBI_TRITON_AUTOTUNE="0", **(settings or {})))
     name = f"attention_{'cpu-smoke' if phase.smoke else phase.device}_{tag}"
     return [phase.dest / f"{name}.json", phase.dest / f"{name}.md"]
 
@@ -378,6 +382,18 @@ def learned_ab_phase(phase):
                    "--set", "full", "--log-file", report, python(), "benchmarks/bench_backward_kernels.py", "--ncu",
                    "--sizes", "518", "--slopes", slopes], phase.env(ALIBI_TRITON_AUTOTUNE="0"))
         files.append(report)
+    return files
+
+
+def sqrt_offsets_phase(phase):
+    """The sqrt mode's offsets in int32 (the default) and in fp16 halves (ALIBI_TRITON_SQRT_OFFSETS, read on
+    import: one process each, int32 first): the default (table forward, sqrt backward) and the sqrt forward, at
+    518 and 1022 px, constant and learned slopes."""
+    files = []
+    for offsets in ("int32", "fp16"):
+        files += sweep_phase(phase, [518, 1022], f"sqrt-{offsets}", ("triton", "triton-sqrt"),
+                             gpu_args=("--slopes", "constant", "learned"),
+                             settings={"ALIBI_TRITON_SQRT_OFFSETS": offsets})
     return files
 
 
@@ -470,6 +486,7 @@ RUNNERS = {
     "auto": lambda phase: sweep_phase(phase, [224, 518, 1022, 2072], "auto", AUTO_BACKENDS),
     "learned-ab": learned_ab_phase,
     "configs": configs_phase,
+    "sqrt-offsets": sqrt_offsets_phase,
     "flex-dense": lambda phase: sweep_phase(phase, [518], "flex-dense-518", FLEX_DENSE_BACKENDS,
                                             ("--slopes", "constant", "--modes", "fwd"),
                                             ("--slopes", "constant", "per-head")),

@@ -169,6 +169,15 @@ BACKWARD_BIAS_MODES = ("auto", "same", *BIAS_MODES)
 _BWD_BIAS = os.environ.get("ALIBI_TRITON_BWD_BIAS", "auto")
 if _BWD_BIAS not in BACKWARD_BIAS_MODES:
     raise ValueError(f"ALIBI_TRITON_BWD_BIAS must be one of {BACKWARD_BIAS_MODES}, got {_BWD_BIAS!r}")
+# ALIBI_TRITON_SQRT_OFFSETS: the type in which the sqrt mode forms each element's row and column offsets and
+# their wrap: "int32" (the default) or "fp16" (two per register; exact while both grid sides are at most
+# FP16_EXACT_SIDE). A lever awaiting a GPU A/B (benchmarks/gpu_suite.py's sqrt-offsets phase), not a default.
+SQRT_OFFSET_TYPES = ("int32", "fp16")
+_SQRT_OFFSETS = os.environ.get("ALIBI_TRITON_SQRT_OFFSETS", "int32")
+if _SQRT_OFFSETS not in SQRT_OFFSET_TYPES:
+    raise ValueError(f"ALIBI_TRITON_SQRT_OFFSETS must be one of {SQRT_OFFSET_TYPES}, got {_SQRT_OFFSETS!r}")
+SQRT_F16 = tl.constexpr(_SQRT_OFFSETS == "fp16")
+FP16_EXACT_SIDE = 2048  # every integer up to 2048 is exact in fp16, and so is every offset and wrap below it
 
 
 # --------------------------------------------------------------------------------------------
@@ -353,19 +362,31 @@ def _bias_tile(qa, qb, ka, kb, Tbl, h, w,
         bias = tl.load(tl.max_contiguous(tl.multiple_of(ptrs, [4, 8]), [1, 2]))
     else:
         if KEYS_FIRST:
+            valid = (ka[:, None] >= 0) & (qa[None, :] >= 0)
+        else:
+            valid = (qa[:, None] >= 0) & (ka[None, :] >= 0)
+        if SQRT_F16:  # rows and columns as halves: offsets and wraps below run two to a register
+            qa = qa.to(tl.float16)
+            qb = qb.to(tl.float16)
+            ka = ka.to(tl.float16)
+            kb = kb.to(tl.float16)
+        if KEYS_FIRST:
             dy = ka[:, None] - qa[None, :]
             dx = kb[:, None] - qb[None, :]
-            valid = (ka[:, None] >= 0) & (qa[None, :] >= 0)
         else:
             dy = qa[:, None] - ka[None, :]
             dx = qb[:, None] - kb[None, :]
-            valid = (qa[:, None] >= 0) & (ka[None, :] >= 0)
         dy = tl.abs(dy)
         dx = tl.abs(dx)
         if WRAP:
             dy = tl.minimum(dy, h - dy)
             dx = tl.minimum(dx, w - dx)
-        dist = tl.sqrt((dy * dy + dx * dx).to(tl.float32))
+        if SQRT_F16:  # squares in fp32: dy² + dx² passes fp16's exact integers for grids over 45 a side
+            dy = dy.to(tl.float32)
+            dx = dx.to(tl.float32)
+            dist = tl.sqrt(dy * dy + dx * dx)
+        else:
+            dist = tl.sqrt((dy * dy + dx * dx).to(tl.float32))
         bias = tl.where(valid, -dist, 0.0)
     return bias
 
@@ -1234,6 +1255,9 @@ def _validate(q, k, v, grid_size, num_prefix_tokens, slopes, bias_mode):
         raise ValueError(f"token count {n} does not match num_prefix_tokens + h*w = {num_prefix_tokens + h * w}")
     if n == 0:
         raise ValueError("need at least one token")
+    if _SQRT_OFFSETS == "fp16" and max(h, w) > FP16_EXACT_SIDE:
+        raise ValueError(f"ALIBI_TRITON_SQRT_OFFSETS=fp16 is exact for grids up to {FP16_EXACT_SIDE} a side, got "
+                         f"{h}x{w}; unset it for this grid")
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tile_offsets(name, t)
     _check_output_offsets(heads, n, d)

@@ -104,10 +104,10 @@ def test_benchmark_phases_write_their_rows_as_they_go(gpu_image, phase, tag):
     assert len(list(out.iterdir())) <= MAX_FILES
 
 
-def test_the_fair_baselines_the_backward_kernels_and_the_autotuned_configs(gpu_image):
-    proc, out, status = _smoke(gpu_image, "fair", "learned-ab", "configs")
+def test_the_fair_baselines_the_backward_kernels_the_configs_and_the_sqrt_offsets(gpu_image):
+    proc, out, status = _smoke(gpu_image, "fair", "learned-ab", "configs", "sqrt-offsets")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    for phase in ("fair", "learned-ab", "configs"):
+    for phase in ("fair", "learned-ab", "configs", "sqrt-offsets"):
         _check_phase(out, status, phase)
     fair = json.loads((out / "attention_cpu-smoke_fair.json").read_text())
     # The smoke run keeps what the CPU can run of the fair set (not the SDPA kernels pinned to CUDA ones).
@@ -122,6 +122,10 @@ def test_the_fair_baselines_the_backward_kernels_and_the_autotuned_configs(gpu_i
                for r in kernels["rows"])
     configs = json.loads((out / "attention_cpu-smoke_configs.json").read_text())
     assert configs["autotune"] and "launch_configs" in configs
+    for offsets in ("int32", "fp16"):  # one process each, told by the environment
+        report = json.loads((out / f"attention_cpu-smoke_sqrt-{offsets}.json").read_text())
+        assert {r["backend"] for r in report["rows"]} == {"triton", "triton-sqrt"}
+        assert report["settings"]["ALIBI_TRITON_SQRT_OFFSETS"] == offsets
     assert all(len(status[p]["files"]) + 1 <= MAX_FILES for p in status)
 
 

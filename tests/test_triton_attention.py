@@ -454,6 +454,52 @@ def test_atomic_dq_setting_is_checked():
     assert proc.returncode != 0 and "ALIBI_TRITON_ATOMIC_DQ must be one of ('auto', '1', '0')" in proc.stderr
 
 
+def sqrt_offsets_cases():
+    """Forward and gradients of the sqrt mode on two small grids (wrap and not, prefix 5 and 1), fp16."""
+    gen = torch.Generator().manual_seed(0)
+    found = []
+    for grid, prefix, wrap in (((5, 7), 5, True), ((4, 3), 1, False)):
+        n = prefix + grid[0] * grid[1]
+        q, k, v, do = (torch.randn(1, 2, n, 16, generator=gen).to(torch.float16) for _ in range(4))
+        slopes = torch.tensor([0.5, 2.0], requires_grad=True)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = triton_alibi_attention(*leaves, grid, prefix, slopes, wrap, True, bias_mode="sqrt")
+        found.append([out.detach(), *torch.autograd.grad(out, [*leaves, slopes], do)])
+    return found
+
+
+_FP16_OFFSETS_RUN = """
+import sys, torch
+from tests.test_triton_attention import sqrt_offsets_cases, triton_alibi_attention
+torch.save(sqrt_offsets_cases(), sys.argv[1])
+q = torch.zeros(1, 1, 2049, 16, dtype=torch.float16)
+triton_alibi_attention(q, q, q, (1, 2049), 0, None, True, True)
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="compares the interpreter's runs; the GPU A/B is benchmarks/gpu_suite.py sqrt-offsets")
+def test_fp16_sqrt_offsets_give_the_int32_bits(tmp_path):
+    """ALIBI_TRITON_SQRT_OFFSETS=fp16 forms the sqrt mode's offsets and wraps in halves: exact on these grids, so
+    the forward and every gradient equal the int32 path's (this process's) bit for bit. It is read on import,
+    hence the second process; there a grid wider than fp16's exact integers is refused, as is an unknown value."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(__file__))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "ALIBI_TRITON_SQRT_OFFSETS": "fp16"}
+    path = tmp_path / "fp16.pt"
+    proc = subprocess.run([sys.executable, "-c", _FP16_OFFSETS_RUN, str(path)], env=env, capture_output=True,
+                          text=True, cwd=root, timeout=300)
+    assert proc.returncode != 0 and "exact for grids up to 2048 a side, got 1x2049" in proc.stderr, proc.stderr[-2000:]
+    assert os.environ.get("ALIBI_TRITON_SQRT_OFFSETS", "int32") == "int32"
+    for int32_case, fp16_case in zip(sqrt_offsets_cases(), torch.load(path), strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(int32_case, fp16_case, strict=True))
+    env["ALIBI_TRITON_SQRT_OFFSETS"] = "half"
+    proc = subprocess.run([sys.executable, "-c", "import kernels.alibi_triton"], env=env, capture_output=True,
+                          text=True, cwd=root, timeout=300)
+    assert proc.returncode != 0 and "ALIBI_TRITON_SQRT_OFFSETS must be one of ('int32', 'fp16')" in proc.stderr
+
+
 @pytest.mark.skipif(CUDA, reason="swaps the interpreter's dK/dV tile config")
 @pytest.mark.parametrize("block_m", [32, 64])
 @pytest.mark.parametrize("head_dim,bias_mode,slope_kind", [(32, "table", "learned"), (64, "sqrt", "fixed")])
