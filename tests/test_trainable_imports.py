@@ -20,7 +20,7 @@ needs_no_gpu_driver = pytest.mark.skipif(not NO_GPU_DRIVER, reason="with a GPU d
 # Run the command in this process, then list which of the heavy modules were imported on the way.
 _PROBE = ("import sys\nfrom alibi_vit.cli.main import main\ntry:\n    code = main(sys.argv[1:])\n"
           "except SystemExit as stop:\n    code = stop.code\n"
-          "print(sorted({'torch', 'timm', 'xgboost'} & set(sys.modules)))\nsys.exit(code)\n")
+          "print(sorted({'torch', 'timm', 'xgboost', 'zarr'} & set(sys.modules)))\nsys.exit(code)\n")
 
 
 def _fresh(args, cwd, script=_PROBE):
@@ -39,6 +39,8 @@ def _image_and_labels(folder: Path):
     (folder / "labels").mkdir()
     Image.fromarray(image).save(folder / "images" / "a.png")
     Image.fromarray(labels).save(folder / "labels" / "a.png")
+    (folder / "tiffs").mkdir()
+    Image.fromarray(image).save(folder / "tiffs" / "a.tif")
 
 
 def test_default_device_agrees_with_torch():
@@ -49,11 +51,12 @@ def test_default_device_agrees_with_torch():
 
 @needs_no_gpu_driver
 def test_segment_train_and_apply_never_import_torch(tmp_path):
+    """Nor zarr, for a TIFF that is not tiled (read by memory map)."""
     _image_and_labels(tmp_path)
     train = _fresh(["segment", "train", "--images", "images", "--labels", "labels", "--out", "model"], tmp_path)
     assert train.returncode == 0, train.stderr
     assert train.stdout.strip().splitlines()[-1] == "['xgboost']"
-    apply = _fresh(["segment", "apply", "--model", "model", "--images", "images", "--out", "out"], tmp_path)
+    apply = _fresh(["segment", "apply", "--model", "model", "--images", "tiffs", "--out", "out"], tmp_path)
     assert apply.returncode == 0, apply.stderr
     assert apply.stdout.strip().splitlines()[-1] == "['xgboost']"
     mask = np.asarray(Image.open(tmp_path / "out" / "a_mask.png"))

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 from ..images import BUNDLED_SETS, load_image_set
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
 __all__ = ["FIGURE_FORMATS", "add_figure_arguments", "add_image_arguments", "add_model_arguments", "at_least",

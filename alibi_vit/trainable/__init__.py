@@ -10,25 +10,25 @@
 - :func:`dense_crf`: optional clean-up of the probabilities.
 """
 
-from ..synthetic import synthetic_dataset, synthetic_micrograph
-from .benchmark import mean_iou, scribble_benchmark
 from .classical import classical_feature_names, classical_features, membrane_kernels
-from .crf import dense_crf
-from .datasets import load_micrographs
 from .io import read_grayscale, read_labels, to_unit_float
-from .scribbles import scribbles
+from .scribbles import scribbles  # eager: a lazy name equal to its submodule's would return the module
 from .segmenter import TrainableSegmenter
 from .volumes import VolumeSegmenter  # (registers the 3D models TrainableSegmenter.load opens)
 
-# Imported on first use (PEP 562): they need PyTorch, which classical features on the CPU do not.
-_LAZY = {"ViTFeatures": "vit", "vit_patch_features": "vit"}
+# Imported on first use (PEP 562), so that `segment train` and `apply` do not pay for them: the ViT parts
+# need PyTorch, which classical features on the CPU do not; the benchmark's parts need scipy.ndimage (about
+# a second of a first segmentation's imports on a 2-core machine).
+_LAZY = {"ViTFeatures": ".vit", "vit_patch_features": ".vit", "synthetic_dataset": "..synthetic",
+         "synthetic_micrograph": "..synthetic", "mean_iou": ".benchmark", "scribble_benchmark": ".benchmark",
+         "dense_crf": ".crf", "load_micrographs": ".datasets"}
 
 
 def __getattr__(name):
     if name in _LAZY:
         import importlib
 
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING
 
 import cv2
 import numpy as np
-from scipy import ndimage as ndi
 
 from .io import to_unit_float
 
@@ -111,6 +110,8 @@ def membrane_kernels(size: int = MEMBRANE_SIZE, angles: int = MEMBRANE_ANGLES) -
     Each kernel is rotated with bilinear interpolation and normalised to sum 1, so a response is
     the mean intensity along the line and a constant image gives the same value at every angle.
     """
+    from scipy import ndimage as ndi  # here, not on import: only the membrane filters need it
+
     base = np.zeros((size, size), np.float64)
     base[:, size // 2] = 1.0
     kernels = []

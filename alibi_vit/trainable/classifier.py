@@ -28,13 +28,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["CLASSIFIERS", "DEFAULT_CLASSIFIER", "balanced_weights", "fit_classifier", "import_in_background",
-           "load_classifier", "make_classifier", "midpoint_thresholds"]
+__all__ = ["CLASSIFIERS", "DEFAULT_CLASSIFIER", "PendingClassifier", "balanced_weights", "fit_classifier",
+           "import_in_background", "load_classifier", "load_classifier_in_background", "make_classifier",
+           "midpoint_thresholds"]
 
 CLASSIFIERS = ("xgboost", "random_forest")
 DEFAULT_CLASSIFIER = "random_forest"
@@ -150,19 +152,77 @@ def balanced_weights(y: np.ndarray) -> np.ndarray:
     return weights[y].astype(np.float32)
 
 
+def _damaged(path: Path, reason: str) -> ValueError:
+    return ValueError(f"{path} is not a readable XGBoost model ({reason[:200]}): the model folder is damaged; "
+                      "train it again")
+
+
 def load_classifier(kind: str, path) -> object:
     """A classifier of ``kind`` from XGBoost's JSON model file ``path``."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"classifier model {path} does not exist")
+    return _classifier_from(kind, path.read_bytes(), path)
+
+
+def _classifier_from(kind: str, raw: bytes, path: Path) -> object:
+    """A classifier of ``kind`` from the bytes of its model file ``path`` (named in errors)."""
     import xgboost as xgb
 
     clf = make_classifier(kind)
     try:
-        clf.load_model(path)
+        clf.load_model(bytearray(raw))
     except xgb.core.XGBoostError as err:  # its message is a C++ stack trace: the first line says what failed
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
         reason = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", reason)  # "[08:19:02] src/json.cc:409: " prefix
-        raise ValueError(f"{path} is not a readable XGBoost model ({reason[:200]}): the model folder is damaged; "
-                         "train it again") from None
+        raise _damaged(path, reason) from None
     return clf
+
+
+class PendingClassifier:
+    """A classifier that a background thread is loading: importing XGBoost (and with it scikit-learn)
+    takes 1-2 s of a first ``segment apply`` on a 2-core machine, spent while the image is read and its
+    features computed. Any attribute waits for the load and is the loaded classifier's; a load that
+    failed raises its error there. Pickles as the loaded classifier (Dask workers get a plain one)."""
+
+    def __init__(self, kind: str, raw: bytes, path: Path):
+        self._result, self._error = None, None
+        self._thread = threading.Thread(target=self._load, args=(kind, raw, path), name="alibi-vit-load-classifier",
+                                        daemon=True)
+        self._thread.start()
+
+    def _load(self, kind, raw, path):
+        try:
+            self._result = _classifier_from(kind, raw, path)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the thread that uses the classifier
+            self._error = err
+
+    def loaded(self):
+        """The classifier, once loaded (waits for it)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def __getattr__(self, name):
+        if name.startswith("_"):  # the thread's own state, and copy/pickle probes before __init__ ran
+            raise AttributeError(name)
+        return getattr(self.loaded(), name)
+
+    def __reduce__(self):
+        return self.loaded().__reduce__()
+
+
+def load_classifier_in_background(kind: str, path) -> PendingClassifier:
+    """A :class:`PendingClassifier` of ``kind`` from ``path``, read now (the folder may be gone by the time the
+    thread loads it: a Dask worker's temporary copy is). What can be checked at once is checked here, so that a
+    missing or damaged file is reported before any image is read: the file exists and is JSON."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"classifier model {path} does not exist")
+    raw = path.read_bytes()
+    try:
+        json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise _damaged(path, f"not valid JSON: {err}") from None
+    return PendingClassifier(kind, raw, path)

@@ -8,7 +8,6 @@ classifier, not labelling errors.
 from __future__ import annotations
 
 import numpy as np
-from scipy import ndimage as ndi
 
 __all__ = ["scribbles"]
 
@@ -54,6 +53,8 @@ def _roomy(area: np.ndarray, width: int) -> np.ndarray:
     A stroke is clipped to the allowed area, so one that starts in a piece of a few pixels (the
     cores of small round grains, which are just deeper than the margin) labels those pixels only:
     a dot, not a line, and it samples the grain's very centre only."""
+    from scipy import ndimage as ndi  # on use: the segmentation commands import this module, not scipy
+
     pieces, n = ndi.label(area)
     if n == 0:
         return area
@@ -91,6 +92,8 @@ def scribbles(mask, per_class: int = 1, rng=None, *, length: int | None = None, 
     length = max(10, min(mask.shape) // 2) if length is None else int(length)
     margin = width + 2 if margin is None else int(margin)
     labels = np.zeros(mask.shape, np.int64)
+    from scipy import ndimage as ndi
+
     for cls in np.unique(mask):
         if cls == 0:
             continue

@@ -32,7 +32,8 @@ from tqdm.auto import tqdm
 
 from .classical import (classical_feature_names, classical_features_torch, classical_planes, filter_set, halo,
                         pixel_major)
-from .classifier import CLASSIFIERS, DEFAULT_CLASSIFIER, fit_classifier, import_in_background, load_classifier
+from .classifier import (CLASSIFIERS, DEFAULT_CLASSIFIER, fit_classifier, import_in_background,
+                         load_classifier_in_background)
 from .crf import CRF_DEFAULTS, CRF_PRESETS, dense_crf_tiled
 from ..chunked import ChunkedImage, sample_tiles
 from ..images import INTENSITY_MODES, fit_intensity_range, scale_colour, scale_to_range
@@ -868,7 +869,7 @@ class TrainableSegmenter:
             raise ValueError(f'{cfg_path} has intensity "training" but no intensity_range: the model folder is '
                              "damaged; train it again")
         seg.classes_ = np.asarray(cfg["classes"], np.int64)
-        seg.model_ = load_classifier(cfg["classifier"], path / "classifier.json")
+        seg.model_ = load_classifier_in_background(cfg["classifier"], path / "classifier.json")
         if seg.vit is not None:
             pca = path / "vit_pca.npz"
             if not pca.is_file():
