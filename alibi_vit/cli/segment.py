@@ -48,6 +48,8 @@ ACTIONS = {
     "merge": "combine the shares of a run split with --shard into the folder's area_fractions.csv",
     "benchmark": "benchmarks: --dataset NAME scores configurations on the shipped labelled micrographs (mIoU, pixel "
                  "accuracy, spread over seeds); otherwise test mIoU per round of generated scribbles",
+    "measure": "measure masks: phase fractions with confidence intervals, interfaces, S2(r), objects, percolation, "
+               "chord lengths; local thickness and tortuosity on request (docs/measure.md)",
 }
 LABEL_SUFFIXES = ("", "_labels", "_label", "_mask", "_masks", "_gt", "-labels", "-mask")
 FEATURE_MODES = ("auto", "2d", "3d")
@@ -178,6 +180,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--no-overlay", action="store_true", help="write only the masks, no overlay PNGs")
     a.add_argument("--proba", action="store_true",
                    help="also write per-class probability TIFFs (<name>_proba_<class>.tif, float32)")
+    a.add_argument("--measure", action="store_true",
+                   help="then measure the masks in OUT with 'segment measure' (its default metrics, and the "
+                        "probability view with --proba) into OUT/measure/ (docs/measure.md)")
     a.add_argument("--crf", choices=("model", "on", "off") + CRF_PRESETS, default="model",
                    help=f"dense-CRF clean-up: as the model was trained (default), on (preset {DEFAULT_CRF_PRESET}), "
                         f"off, or a preset ({', '.join(CRF_PRESETS)})")
@@ -234,6 +239,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--out", type=Path, default=Path("segment_benchmark"), metavar="DIR",
                    help="output folder: benchmark.csv, miou_vs_round and examples figures (default %(default)s)")
     add_figure_arguments(b)
+    from . import segment_measure  # its own module: measuring shares nothing with training
+
+    segment_measure.add_arguments(sub.add_parser("measure", help=ACTIONS["measure"], description=ACTIONS["measure"]))
 
 
 def _add_scale_out_arguments(a) -> None:
@@ -652,6 +660,10 @@ def _apply(args) -> int:
     kept = f"; {outcome.kept} kept from an earlier run (--resume)" if args.resume else ""
     print(f"segmented {outcome.written} of {len(files)} image(s) into {args.out}{kept} "
           f"(area fractions per class in {folder.csv_path})")
+    if args.measure:
+        from . import segment_measure
+
+        segment_measure.measure_folder(args.out, spacing=args.spacing if seg.dims == 3 else None)
     if failed:
         print(f"alibi-vit segment: error: {len(failed)} image(s) could not be segmented: {', '.join(failed)}",
               file=sys.stderr)
@@ -900,4 +912,8 @@ def _dataset_benchmark(args) -> int:
 
 
 def run(args) -> int:
+    if args.action == "measure":
+        from . import segment_measure
+
+        return segment_measure.run(args)
     return {"train": _train, "apply": _apply, "merge": _merge, "benchmark": _benchmark}[args.action](args)
