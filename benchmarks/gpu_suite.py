@@ -59,6 +59,11 @@ Phases, in the order to run them (one command each):
     sqrt-offsets  the sqrt mode's offsets and wraps in int32 (the default) and in fp16 halves
                 (ALIBI_TRITON_SQRT_OFFSETS), one process each: the default and the sqrt forward at 518 and 1022 px,
                 constant and learned slopes (attention_<device>_sqrt-{int32,fp16}.{json,md})
+    fa3         benchmarks/bench_fa3.py: the FA3-structured Gluon kernel (kernels/alibi_gluon.py) checked against
+                the float64 reference (224/518/1022 px, odd grids, prefix 0/1/5; in a child process with its own
+                timeout), forward and backward, then timed (forward, then fwd+bwd) beside cuDNN with and without the
+                bias and the fused Triton kernel
+                (fa3_<device>.{json,md})
     sass        benchmarks/bench_kernel_sass.py with the machine's Triton (3.6 there): every config,
                 head_dim 64 and 128, bf16, compiled on all CPU cores (kernel_sass_sm90_triton<v>.{json,md})
     all         every phase above in order, for a machine without the 10-minute limit
@@ -99,8 +104,9 @@ from report import RESULTS, SMOKE_RESULTS, missing_modules, slug  # noqa: E402
 
 PHASE_LIMIT = int(os.environ.get("GPU_SUITE_LIMIT", "530"))
 # The test files that exercise the GPU: the kernel tests and the attention backends.
+# (tests/test_alibi_gluon.py's GPU tests are left to their own command: the fa3 phase checks the same kernels.)
 GPU_TEST_FILES = ("tests/test_triton_attention.py", "tests/test_flex_attention.py", "tests/test_attention_backends.py",
-                  "tests/test_alibi_bias.py")
+                  "tests/test_alibi_bias.py", "tests/test_backend_choice.py")
 SWEEP_BACKENDS = ("triton", "triton-two-kernel", "triton-nobias", "sdpa-bias", "sdpa-bias-cudnn",
                   "sdpa-bias-efficient", "sdpa-nobias-flash", "sdpa-nobias-cudnn", "sdpa-nobias-efficient")
 FLEX_BACKENDS = ("triton", "flex", "flex-table", "flex-nobias")
@@ -117,7 +123,7 @@ OPTIONAL_MODULES = ("pytest", "lightning", "timm", "skimage", "tifffile", "jsona
                     "xgboost", "pycocotools", "pydensecrf2", "playwright")
 PHASES = ("env", "tests", "fair", "auto", "learned-ab", "model", "train", "seg", "sweep-518", "sweep-1022",
           "sweep-2072", "flex", "flex-1022", "flex-learned", "flex-dense", "flex-dense-1022", "configs", "sqrt-offsets",
-          "sass")
+          "fa3", "sass")
 # What a benchmark keeps of a phase's time for writing its results after its last row starts.
 ROW_RESERVE = {"model": 45, "train": 40, "seg": 30}
 
@@ -408,6 +414,15 @@ def configs_phase(phase):
     return [phase.dest / f"{name}.json", phase.dest / f"{name}.md"]
 
 
+def fa3_phase(phase):
+    """The FA3-structured Gluon kernel (kernels/alibi_gluon.py): checked against the float64 reference in a child
+    process (a hung kernel cannot stall the phase), then timed beside cuDNN and the fused Triton kernel."""
+    cmd = [python(), "benchmarks/bench_fa3.py", "--out-dir", phase.dest, "--time-limit", phase.row_budget()]
+    phase.run(cmd + (["--smoke"] if phase.smoke else []), phase.env(ALIBI_TRITON_AUTOTUNE="0"))
+    stem = f"fa3_{phase.device}"
+    return [phase.dest / f"{stem}.json", phase.dest / f"{stem}.md"]
+
+
 def sass_phase(phase):
     import triton
 
@@ -487,6 +502,7 @@ RUNNERS = {
     "learned-ab": learned_ab_phase,
     "configs": configs_phase,
     "sqrt-offsets": sqrt_offsets_phase,
+    "fa3": fa3_phase,
     "flex-dense": lambda phase: sweep_phase(phase, [518], "flex-dense-518", FLEX_DENSE_BACKENDS,
                                             ("--slopes", "constant", "--modes", "fwd"),
                                             ("--slopes", "constant", "per-head")),

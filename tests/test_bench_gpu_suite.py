@@ -130,8 +130,10 @@ def test_the_fair_baselines_the_backward_kernels_the_configs_and_the_sqrt_offset
 
 
 def test_the_other_sizes_and_the_sass_phase(gpu_image):
-    proc, out, status = _smoke(gpu_image, "sweep-1022", "flex-1022", "sass")
+    proc, out, status = _smoke(gpu_image, "sweep-1022", "flex-1022", "sass", "fa3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    fa3 = _check_phase(out, status, "fa3")  # the Gluon kernel's phase: on the CPU its checks are the NumPy model's
+    assert {"fa3_cpu-smoke.json", "fa3_cpu-smoke.md"} <= set(fa3["files"])
     for phase, tag in (("sweep-1022", "1022"), ("flex-1022", "flex-1022")):
         _check_phase(out, status, phase)
         assert json.loads((out / f"attention_cpu-smoke_{tag}.json").read_text())["complete"]
@@ -139,7 +141,7 @@ def test_the_other_sizes_and_the_sass_phase(gpu_image):
     (sass,) = [name for name in entry["files"] if name.endswith(".json")]
     report = json.loads((out / sass).read_text())
     assert report["complete"] and {r["variant"] for r in report["rows"]} == {"alibi", "nobias"}
-    # Four phases' results, logs and one status file: one command each on the GPU machine brings back its own.
+    # The phases' results, logs and one status file: one command each on the GPU machine brings back its own.
     assert all(len(status[p]["files"]) + 1 <= MAX_FILES for p in status)
 
 
