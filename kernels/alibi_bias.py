@@ -18,8 +18,8 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["METRICS", "alibi_bias", "bias_lookup", "check_grid", "check_metric", "device_bias_lookup", "max_distance",
-           "patch_distances"]
+__all__ = ["METRICS", "alibi_bias", "bias_lookup", "check_attention_inputs", "check_grid", "check_metric",
+           "device_bias_lookup", "max_distance", "patch_distances"]
 
 METRICS = ("euclidean", "manhattan")
 
@@ -40,6 +40,35 @@ def check_metric(metric) -> str:
     if metric not in METRICS:
         raise ValueError(f"unknown distance metric {metric!r}; choose one of {', '.join(METRICS)}")
     return metric
+
+
+def check_attention_inputs(q, k, v, grid_size, num_prefix_tokens, slopes) -> tuple[tuple[int, int], int]:
+    """What every attention path needs of its inputs: 4D (batch, heads, N, head_dim) q, k, v of one shape, dtype
+    and device; a valid grid and prefix with ``N = num_prefix_tokens + h·w``; slopes None or (heads,) on q's
+    device. Returns ``((h, w), num_prefix_tokens)``; anything else is a ValueError naming it."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 4D tensor (batch, heads, tokens, head_dim), got {shape}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"q, k, v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError("q, k, v must share one dtype and one device")
+    h, w = check_grid(grid_size)
+    if isinstance(num_prefix_tokens, bool) or int(num_prefix_tokens) != num_prefix_tokens or num_prefix_tokens < 0:
+        raise ValueError(f"num_prefix_tokens must be a non-negative integer, got {num_prefix_tokens!r}")
+    n = q.shape[2]
+    if n != num_prefix_tokens + h * w:
+        raise ValueError(
+            f"token count {n} does not match the grid: num_prefix_tokens + h*w = "
+            f"{num_prefix_tokens} + {h}*{w} = {num_prefix_tokens + h * w}")
+    if slopes is not None:
+        if not isinstance(slopes, torch.Tensor) or slopes.shape != (q.shape[1],):
+            shape = tuple(slopes.shape) if isinstance(slopes, torch.Tensor) else type(slopes).__name__
+            raise ValueError(f"slopes must be a tensor of shape (heads,) = ({q.shape[1]},), got {shape}")
+        if slopes.device != q.device:
+            raise ValueError(f"slopes are on {slopes.device} but q is on {q.device}")
+    return (h, w), int(num_prefix_tokens)
 
 
 def _combine(dy: torch.Tensor, dx: torch.Tensor, metric: str) -> torch.Tensor:

@@ -96,7 +96,7 @@ import math
 
 import torch
 
-from .alibi_bias import CODE_PAD, check_grid, check_metric, device_bias_lookup
+from .alibi_bias import CODE_PAD, check_attention_inputs, check_metric, device_bias_lookup
 
 __all__ = ["BWD_SUPPORTED_HEAD_DIMS", "CONSUMER_FORMS", "GLUON_ERROR", "GluonAlibiAttention", "SUPPORTED_DTYPES",
            "SUPPORTED_HEAD_DIMS", "bwd_launch_config", "compile_bwd_for_sm90", "compile_for_sm90", "gluon_alibi_attention",
@@ -721,13 +721,7 @@ def _new_outputs(q):
 
 
 def _validate(q, k, v, grid_size, num_prefix_tokens, slopes):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4D tensor (batch, heads, tokens, head_dim)")
-    if not (q.shape == k.shape == v.shape):
-        raise ValueError(f"q, k, v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise ValueError("q, k, v must share one dtype and one device")
+    (h, w), prefix = check_attention_inputs(q, k, v, grid_size, num_prefix_tokens, slopes)
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"the Gluon kernel supports bfloat16 and float16 inputs, got {q.dtype}")
     bsz, heads, n, d = q.shape
@@ -739,21 +733,11 @@ def _validate(q, k, v, grid_size, num_prefix_tokens, slopes):
     if major != 9:
         raise ValueError(f"the Gluon kernel is written for Hopper (sm_90a: TMA, wgmma, setmaxnreg); "
                          f"{torch.cuda.get_device_name(q.device)} has compute capability {major}.x")
-    h, w = check_grid(grid_size)
-    if isinstance(num_prefix_tokens, bool) or int(num_prefix_tokens) != num_prefix_tokens or num_prefix_tokens < 0:
-        raise ValueError(f"num_prefix_tokens must be a non-negative integer, got {num_prefix_tokens!r}")
-    if n != num_prefix_tokens + h * w:
-        raise ValueError(f"token count {n} does not match num_prefix_tokens + h*w = {num_prefix_tokens + h * w}")
     if bsz > 65535 or heads > 65535:
         raise ValueError(f"batch and heads must each be at most 65535, got {bsz} and {heads}")
     if bsz * n >= 2**31 or (n - 1) * heads * d + d >= 2**31:
         raise ValueError("too many tokens for the Gluon kernel's int32 row coordinates and offsets")
-    if slopes is not None:
-        if not isinstance(slopes, torch.Tensor) or slopes.shape != (heads,):
-            raise ValueError(f"slopes must be None or a tensor of shape (heads,) = ({heads},)")
-        if slopes.device != q.device:
-            raise ValueError(f"slopes are on {slopes.device} but q is on {q.device}")
-    return h, w, int(num_prefix_tokens)
+    return h, w, prefix
 
 
 def gluon_alibi_attention_fwd(q, k, v, grid_size, num_prefix_tokens, slopes=None, wrap=True, normalize=True,

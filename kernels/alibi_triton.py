@@ -131,7 +131,7 @@ import triton
 import triton.language as tl
 
 from . import triton_interpreter
-from .alibi_bias import CODE_PAD, check_grid, check_metric, device_bias_lookup
+from .alibi_bias import CODE_PAD, check_attention_inputs, check_metric, device_bias_lookup
 
 __all__ = ["BIAS_MODES", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "atomic_dq", "atomic_dq_default",
            "atomic_dq_enabled", "triton_alibi_attention"]
@@ -1230,13 +1230,7 @@ alibi_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 # --------------------------------------------------------------------------------------------
 
 def _validate(q, k, v, grid_size, num_prefix_tokens, slopes, bias_mode):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4D tensor (batch, heads, tokens, head_dim)")
-    if not (q.shape == k.shape == v.shape):
-        raise ValueError(f"q, k, v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise ValueError("q, k, v must share one dtype and one device")
+    (h, w), prefix = check_attention_inputs(q, k, v, grid_size, num_prefix_tokens, slopes)
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"the triton backend supports float16, bfloat16 and float32 inputs, got {q.dtype}")
     bsz, heads, n, d = q.shape
@@ -1248,27 +1242,15 @@ def _validate(q, k, v, grid_size, num_prefix_tokens, slopes, bias_mode):
                          "before importing triton to run it on the CPU interpreter")
     if bsz > _MAX_GRID_YZ or heads > _MAX_GRID_YZ:
         raise ValueError(f"batch and heads must each be at most {_MAX_GRID_YZ}, got {bsz} and {heads}")
-    h, w = check_grid(grid_size)
-    if isinstance(num_prefix_tokens, bool) or int(num_prefix_tokens) != num_prefix_tokens or num_prefix_tokens < 0:
-        raise ValueError(f"num_prefix_tokens must be a non-negative integer, got {num_prefix_tokens!r}")
-    if n != num_prefix_tokens + h * w:
-        raise ValueError(f"token count {n} does not match num_prefix_tokens + h*w = {num_prefix_tokens + h * w}")
-    if n == 0:
-        raise ValueError("need at least one token")
     if _SQRT_OFFSETS == "fp16" and max(h, w) > FP16_EXACT_SIDE:
         raise ValueError(f"ALIBI_TRITON_SQRT_OFFSETS=fp16 is exact for grids up to {FP16_EXACT_SIDE} a side, got "
                          f"{h}x{w}; unset it for this grid")
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tile_offsets(name, t)
     _check_output_offsets(heads, n, d)
-    if slopes is not None:
-        if not isinstance(slopes, torch.Tensor) or slopes.shape != (heads,):
-            raise ValueError(f"slopes must be a tensor of shape (heads,) = ({heads},)")
-        if slopes.device != q.device:
-            raise ValueError(f"slopes are on {slopes.device} but q is on {q.device}")
     if bias_mode not in BIAS_MODES:
         raise ValueError(f"bias_mode must be one of {BIAS_MODES}, got {bias_mode!r}")
-    return h, w, int(num_prefix_tokens)
+    return h, w, prefix
 
 
 def autocast_inputs(q, k, v):

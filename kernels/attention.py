@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import backend_choice
-from .alibi_bias import cached_alibi_bias, check_grid, check_metric
+from .alibi_bias import cached_alibi_bias, check_attention_inputs, check_metric
 
 __all__ = ["BACKENDS", "alibi_attention", "auto_backend", "explain", "resolve_backend"]
 
@@ -157,32 +157,6 @@ def _auto_choice(q, k, v, grid, prefix, slopes, wrap, normalize, metric):
                           q.device)
 
 
-def _check_inputs(q, k, v, grid_size, num_prefix_tokens, slopes):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a 4D tensor (batch, heads, tokens, head_dim), got {shape}")
-    if not (q.shape == k.shape == v.shape):
-        raise ValueError(f"q, k, v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise ValueError("q, k, v must share one dtype and one device")
-    h, w = check_grid(grid_size)
-    if isinstance(num_prefix_tokens, bool) or int(num_prefix_tokens) != num_prefix_tokens or num_prefix_tokens < 0:
-        raise ValueError(f"num_prefix_tokens must be a non-negative integer, got {num_prefix_tokens!r}")
-    n = q.shape[2]
-    if n != num_prefix_tokens + h * w:
-        raise ValueError(
-            f"token count {n} does not match the grid: num_prefix_tokens + h*w = "
-            f"{num_prefix_tokens} + {h}*{w} = {num_prefix_tokens + h * w}")
-    if slopes is not None:
-        if not isinstance(slopes, torch.Tensor) or slopes.shape != (q.shape[1],):
-            shape = tuple(slopes.shape) if isinstance(slopes, torch.Tensor) else type(slopes).__name__
-            raise ValueError(f"slopes must be a tensor of shape (heads,) = ({q.shape[1]},), got {shape}")
-        if slopes.device != q.device:
-            raise ValueError(f"slopes are on {slopes.device} but q is on {q.device}")
-    return (h, w), int(num_prefix_tokens)
-
-
 def alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes=None, *, wrap=True, normalize=True,
                     backend="auto", metric="euclidean"):
     """Attention over ``(batch, heads, N, head_dim)`` tensors with the 2D ALiBi bias.
@@ -202,7 +176,7 @@ def alibi_attention(q, k, v, grid_size, num_prefix_tokens, slopes=None, *, wrap=
     Returns:
         Tensor of shape (B, heads, N, head_dim), dtype of ``q``.
     """
-    grid, prefix = _check_inputs(q, k, v, grid_size, num_prefix_tokens, slopes)
+    grid, prefix = check_attention_inputs(q, k, v, grid_size, num_prefix_tokens, slopes)
     check_metric(metric)
     if backend == "auto":
         name = _auto_choice(q, k, v, grid, prefix, slopes, bool(wrap), bool(normalize), metric)
