@@ -258,23 +258,27 @@ def relative_error(got, ref):
     return ((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
 
 
-def check(name, fn, q, k, v, slopes, grid, dout, with_grad, dtype_name):
+def check(name, fn, q, k, v, slopes, grid, dout, with_grad, dtype_name, with_bias=None):
     """Max relative error of the output and gradients of one batch element and two heads of the timed call
     (the full inputs) against an fp32 explicit-softmax reference on that slice; the upstream gradient is
-    zero elsewhere, so the slopes' gradient is the slice's too. Returns (worst error, per-tensor errors)."""
+    zero elsewhere, so the slopes' gradient is the slice's too. Returns (worst error, per-tensor errors).
+    with_bias: whether the reference has the bias (default: unless ``name`` is one of NOBIAS)."""
     import torch
 
     from kernels.alibi_bias import alibi_bias
 
     sl = (lambda t: t[:1, :2].detach())  # noqa: E731
-    leaves = [t.detach().clone().requires_grad_(with_grad) for t in (q, k, v)]
+    # Forward only: the very tensors the timed call gets (their strides too); with gradients, leaves of their own.
+    leaves = [t.detach().clone().requires_grad_() if with_grad else t.detach() for t in (q, k, v)]
     s = None if slopes is None else slopes.detach().clone().requires_grad_(slopes.requires_grad)
     ref_leaves = [sl(t).float().clone().requires_grad_(with_grad) for t in (q, k, v)]
     s_ref = None if s is None else s[:2].detach().float().clone().requires_grad_(s.requires_grad)
     with backend_context(name), torch.set_grad_enabled(with_grad):
         out = fn(*leaves, s)
         scores = ref_leaves[0] @ ref_leaves[1].transpose(-2, -1) / math.sqrt(q.shape[-1])
-        if name not in NOBIAS:
+        if with_bias is None:
+            with_bias = name not in NOBIAS
+        if with_bias:
             bias = alibi_bias(grid, PREFIX, wrap=True, normalize=True, device=q.device, dtype=torch.float32)
             m = torch.ones(2, device=q.device) if s_ref is None else s_ref
             scores = scores + m.view(1, -1, 1, 1) * bias
@@ -282,7 +286,7 @@ def check(name, fn, q, k, v, slopes, grid, dout, with_grad, dtype_name):
         errors = {"out": relative_error(sl(out), ref)}
         if with_grad:
             inputs, ref_inputs = list(leaves), list(ref_leaves)
-            if s is not None and s.requires_grad and name not in NOBIAS:
+            if s is not None and s.requires_grad and with_bias:
                 inputs.append(s)
                 ref_inputs.append(s_ref)
             upstream = torch.zeros_like(dout)

@@ -334,63 +334,6 @@ def backend_fn(name, grid, mode="fwd"):
     return backend_fns([name], grid)[name]
 
 
-def backend_context(name):
-    from bench_attention import backend_context as ctx
-
-    return ctx(name)
-
-
-def check_backend(name, fn, q, k, v, slopes, grid, dtype_name):
-    """max |error| / max |reference| of one image and two heads of the timed call against fp32."""
-    import torch
-
-    from kernels.alibi_bias import alibi_bias
-
-    with backend_context(name), torch.no_grad():
-        out = fn(q, k, v, slopes)
-        sl = lambda t: t[:1, :2].float()  # noqa: E731
-        scores = sl(q) @ sl(k).transpose(-2, -1) / math.sqrt(q.shape[-1])
-        if name not in NOBIAS:
-            m = torch.ones(2, device=q.device) if slopes is None else slopes[:2].float()
-            scores = scores + m.view(1, -1, 1, 1) * alibi_bias(grid, PREFIX, device=q.device, dtype=torch.float32)
-        ref = scores.softmax(-1) @ sl(v)
-        return ((sl(out) - ref).abs().max() / ref.abs().max()).item()
-
-
-def check_backend_grad(name, fn, q, k, v, slopes, dout, grid):
-    """Forward + backward: the worst max |error| / max |reference| over O, dq, dk, dv (and dslopes when the slopes
-    are learned) of one image and two heads against fp32 autograd; the upstream gradient is zero elsewhere."""
-    import torch
-
-    from kernels.alibi_bias import alibi_bias
-
-    sl = (lambda t: t[:1, :2].detach())  # noqa: E731
-    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-    s = None if slopes is None else slopes.detach().clone().requires_grad_(slopes.requires_grad)
-    ref_leaves = [sl(t).float().requires_grad_(True) for t in (q, k, v)]
-    s_ref = None if s is None else s[:2].detach().float().requires_grad_(s.requires_grad)
-    with backend_context(name):
-        out = fn(*leaves, s)
-        scores = ref_leaves[0] @ ref_leaves[1].transpose(-2, -1) / math.sqrt(q.shape[-1])
-        if name not in NOBIAS:
-            m = torch.ones(2, device=q.device) if s_ref is None else s_ref
-            scores = scores + m.view(1, -1, 1, 1) * alibi_bias(grid, PREFIX, device=q.device, dtype=torch.float32)
-        ref = scores.softmax(-1) @ ref_leaves[2]
-        inputs, ref_inputs = list(leaves), list(ref_leaves)
-        if s is not None and s.requires_grad and name not in NOBIAS:
-            inputs.append(s)
-            ref_inputs.append(s_ref)
-        upstream = torch.zeros_like(dout)
-        upstream[:1, :2] = dout[:1, :2]
-        grads = torch.autograd.grad(out, inputs, upstream)
-        ref_grads = torch.autograd.grad(ref, ref_inputs, sl(dout).float())
-        errors = [((sl(out).float() - ref).abs().max() / ref.abs().max()).item()]
-        for label, g, r in zip(("dq", "dk", "dv", "dslopes"), grads, ref_grads):
-            g = g[:2] if label == "dslopes" else sl(g)
-            errors.append(((g.float() - r).abs().max() / r.abs().max().clamp_min(1e-6)).item())
-    return max(errors)
-
-
 def attention_kernels(call):
     from bench_attention import attention_kernels as kernels
 
@@ -404,6 +347,7 @@ def time_rows(args, rows, meta, write, deadline, gluon_failed, mode="fwd"):
     """gluon_failed: the Gluon backends whose checks failed (not timed). ``mode``: "fwd" or "fwd+bwd"."""
     import torch
     import triton.testing
+    from bench_attention import backend_context, check
 
     dtype = getattr(torch, args.dtype)
     timed = TIMED if mode == "fwd" else TIMED_BWD
@@ -441,10 +385,8 @@ def time_rows(args, rows, meta, write, deadline, gluon_failed, mode="fwd"):
                 name = row["backend"]
                 try:
                     fn = backend_fn(name, grid, mode)
-                    if mode == "fwd":
-                        err = check_backend(name, fn, q, k, v, slopes, grid, args.dtype)
-                    else:
-                        err = check_backend_grad(name, fn, q, k, v, slopes, dout, grid)
+                    err, _ = check(name, fn, q, k, v, slopes, grid, dout, mode != "fwd", args.dtype,
+                                   with_bias=name not in NOBIAS)
                     row["error"] = round(err, 6)
                     if not err <= TOLERANCE[args.dtype]:
                         row["status"] = f"wrong: max relative error {err:.3g} > {TOLERANCE[args.dtype]}"
