@@ -1,6 +1,7 @@
 """Tiny random-init models, feature and command helpers, and benchmark-script loading shared by the tests."""
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -154,3 +155,27 @@ def png_pixels(response):
 
     assert response.status_code == 200, response.text
     return np.asarray(Image.open(io.BytesIO(response.content)))
+
+
+@contextlib.contextmanager
+def app_clients(session_folder):
+    """``start(folder) -> (session, engine, TestClient)``: the app on an image folder, with its session in
+    ``session_folder``; every engine started is closed when the block ends."""
+    from fastapi.testclient import TestClient
+
+    from alibi_vit.app.engine import Engine
+    from alibi_vit.app.server import create_app
+    from alibi_vit.app.session import Session
+
+    engines = []
+
+    def start(folder):
+        session = Session(session_folder, [folder], allowed_roots=[folder])
+        engines.append(Engine(session))
+        return session, engines[-1], TestClient(create_app(session, engines[-1]))
+
+    try:
+        yield start
+    finally:
+        for engine in engines:
+            engine.close()

@@ -9,26 +9,15 @@ import tifffile
 import zarr
 
 pytest.importorskip("fastapi")
-from fastapi.testclient import TestClient  # noqa: E402
 
-from alibi_vit.app.engine import Engine  # noqa: E402
-from alibi_vit.app.server import create_app  # noqa: E402
-from alibi_vit.app.session import Session  # noqa: E402
+from tests.helpers import app_clients  # noqa: E402
 from tests.helpers import png_pixels as png  # noqa: E402
 
 
 @pytest.fixture
 def start(tmp_path):
-    engines = []
-
-    def start(folder):
-        session = Session(tmp_path / "session", [folder], allowed_roots=[folder])
-        engines.append(Engine(session))
-        return session, engines[-1], TestClient(create_app(session, engines[-1]))
-
-    yield start
-    for engine in engines:
-        engine.close()
+    with app_clients(tmp_path / "session") as start:
+        yield start
 
 
 
