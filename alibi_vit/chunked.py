@@ -131,13 +131,16 @@ class ChunkedImage:
         """(slices, rows, columns)."""
         return (self.planes,) + self.shape
 
-    def read_box(self, zs: slice, rows: slice, cols: slice) -> np.ndarray:
-        """A (z, y, x) box of a one-channel volume's voxels as stored (a 2D image is one slice)."""
-        if self.channels != 1 or self.plane_axes not in ("", "z"):
+    def read_box(self, zs: slice, rows: slice, cols: slice, channel: int | None = None) -> np.ndarray:
+        """A (z, y, x) box of a volume's voxels as stored (a 2D image is one slice): of its one channel, or of
+        ``channel`` of a multi-channel one."""
+        if self.plane_axes not in ("", "z") or (self.channels != 1 and channel is None):
             raise ImageReadError(f"{self.name}: axes {self.axes} are not a one-channel (z, y, x) volume")
+        if channel is not None and not 0 <= channel < self.channels:
+            raise ImageReadError(f"{self.name}: has {self.channels} channel(s), no channel {channel}")
         index = []
         for a in self.axes:
-            index.append({"z": zs, "y": rows, "x": cols}.get(a, 0))
+            index.append({"z": zs, "y": rows, "x": cols, "c": channel or 0}.get(a, 0))
         try:
             box = np.asarray(self.levels[0][tuple(index)])
         except Exception as err:  # codecs and stores raise many types for a damaged chunk

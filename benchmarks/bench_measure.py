@@ -2,11 +2,14 @@
 
     python benchmarks/bench_measure.py                 # writes benchmarks/results/measure_cpu.{md,json}
     python benchmarks/bench_measure.py --smoke         # small sizes, a check that the script works
+    python benchmarks/bench_measure.py --schedulers threads local:2 --local-only   # → measure_cpu_local.{md,json}
+    python benchmarks/bench_measure.py --tortuosity-on cuda --sides 128 256 --out-dir DIR   # GPU phase `measure`
 
 Inputs are generated chunk by chunk as zarr stores (never whole in memory): three phases from thresholding a
 sum of random plane waves (a smooth, bicontinuous structure with features 6–20 voxels across). Each command
 runs in a fresh process under ``/usr/bin/time -v``: peak RSS and wall time of the whole command (imports
-included). Tortuosity is also timed beside TauFactor's solver called directly on the same sub-volume.
+included; with ``local:N`` the peak is that of the largest single process, not the sum over the workers).
+Tortuosity is also timed beside TauFactor's solver called directly on the same sub-volume.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.report import command_line, environment, load_average, write_report
+from benchmarks.report import command_line, environment, load_average, missing_modules, write_report
 
 WAVES = 24
 
@@ -65,26 +68,27 @@ def timed_command(args: list[str]) -> dict:
     return {"wall_s": round(wall, 1), "peak_rss_gb": round(rss_kb / 2**20, 3), "load": load_average()}
 
 
-def tortuosity_beside_taufactor(path: Path, side: int) -> dict:
-    """One solve (phase 1 along x) on a side³ sub-volume: through alibi_vit.measure and TauFactor directly."""
+def tortuosity_beside_taufactor(path: Path, side: int, device: str = "cpu") -> dict:
+    """One solve (phase 1 along x) on a side³ sub-volume on ``device``: through alibi_vit.measure and TauFactor
+    directly (each after a warm-up solve on 8³, so that neither pays the imports or CUDA's start)."""
     import taufactor
     import zarr
 
     from alibi_vit.measure.transport import tortuosity
 
     values = np.asarray(zarr.open_array(str(path), mode="r")[:side, :side, :side])
-    tortuosity(values[:8, :8, :8], 1, 2, (1.0, 1.0, 1.0), device="cpu")  # imports and warm-up outside the timing
+    tortuosity(values[:8, :8, :8], 1, 2, (1.0, 1.0, 1.0), device=device)  # imports and warm-up outside the timing
     started = time.perf_counter()
-    ours = tortuosity(values, 1, 2, (1.0, 1.0, 1.0), device="cpu")
+    ours = tortuosity(values, 1, 2, (1.0, 1.0, 1.0), device=device)
     ours_s = time.perf_counter() - started
     indicator = np.ascontiguousarray(np.transpose(values == 1, (2, 0, 1))).astype(np.uint8)
     started = time.perf_counter()
-    solver = taufactor.Solver(indicator, device="cpu")
+    solver = taufactor.Solver(indicator, device=device)
     with contextlib.redirect_stdout(io.StringIO()):
         direct = float(np.ravel(solver.solve(verbose=False, iter_limit=20000, conv_crit=1e-2))[0])
     direct_s = time.perf_counter() - started
-    return {"side": side, "tau": round(ours["tau"], 4), "tau_taufactor": round(direct, 4),
-            "seconds": round(ours_s, 1), "seconds_taufactor": round(direct_s, 1)}
+    return {"side": side, "device": device, "tau": round(ours["tau"], 4), "tau_taufactor": round(direct, 4),
+            "seconds": round(ours_s, 2), "seconds_taufactor": round(direct_s, 2)}
 
 
 def main(argv=None) -> int:
@@ -92,7 +96,18 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="small sizes: check that the script works")
     parser.add_argument("--folder", type=Path, default=Path("/tmp/alibi_vit_bench_measure"),
                         help="where the generated inputs go (reused when there)")
+    parser.add_argument("--schedulers", nargs="+", default=["threads"], metavar="SPEC",
+                        help="measure the local metrics with each of these --scheduler values (default threads)")
+    parser.add_argument("--local-only", action="store_true",
+                        help="only the local metrics (results go to measure_cpu_local)")
+    parser.add_argument("--tortuosity-on", nargs="+", default=None, metavar="DEVICE",
+                        help="only tortuosity: one solve per --sides on each device, through alibi_vit.measure and "
+                             "TauFactor directly (results go to measure_tortuosity_<device of the first>)")
+    parser.add_argument("--sides", nargs="+", type=int, default=[128], help="sub-volume sides for --tortuosity-on")
+    parser.add_argument("--out-dir", type=Path, default=None, help="where results go (default benchmarks/results)")
     args = parser.parse_args(argv)
+    if args.tortuosity_on:
+        return tortuosity_rows(args)
     volume_side, mosaic_side, sub = (64, 1024, 32) if args.smoke else (512, 16384, 128)
     args.folder.mkdir(parents=True, exist_ok=True)
     volume = generate(args.folder / f"volume_{volume_side}.zarr", (volume_side,) * 3, min(128, volume_side))
@@ -101,30 +116,76 @@ def main(argv=None) -> int:
              "--quiet"]
     rows = []
     for name, path in ((f"{volume_side}³ volume", volume), (f"{mosaic_side}² mosaic", mosaic)):
-        measured = timed_command(["segment", "measure", str(path), "--out", str(args.folder / "out"), *local])
-        rows.append({"input": name, "metrics": "fractions, surfaces, S2 (r ≤ 32), objects, percolation", **measured})
-        print(rows[-1], flush=True)
+        for scheduler in args.schedulers:
+            measured = timed_command(["segment", "measure", str(path), "--out", str(args.folder / "out"), *local,
+                                      "--scheduler", scheduler])
+            rows.append({"input": name, "metrics": "fractions, surfaces, S2 (r ≤ 32), objects, percolation",
+                         "scheduler": scheduler, **measured})
+            print(rows[-1], flush=True)
+    if args.local_only:
+        return _report(rows, None, argv, args.smoke, "measure_cpu_local")
     region = ",".join([f"0:{sub}"] * 3)
     measured = timed_command(["segment", "measure", str(volume), "--out", str(args.folder / "out_global"),
                               "--region", region, "--metrics", "chords", "thickness", "tortuosity", "--device", "cpu",
                               "--no-plots", "--quiet", "--max-memory", "4GB"])
     rows.append({"input": f"{sub}³ region of the volume", "metrics": "chords, local thickness, tortuosity "
-                 "(3 phases × 3 axes)", **measured})
+                 "(3 phases × 3 axes)", "scheduler": "threads", **measured})
     print(rows[-1], flush=True)
     beside = tortuosity_beside_taufactor(volume, sub)
     print(beside, flush=True)
+    beside["side"] = sub
+    return _report(rows, beside, argv, args.smoke, "measure_cpu")
+
+
+def tortuosity_rows(args) -> int:
+    """Tortuosity alone on side³ sub-volumes of the volume, per device (the GPU phase ``measure``)."""
+    missing = missing_modules(("zarr", "taufactor"))  # the GPU image has neither unless their wheels were carried
+    rows = []
+    if not missing:
+        side = 64 if args.smoke else max(args.sides)
+        volume = generate(args.folder / f"volume_{side}.zarr", (side,) * 3, min(128, side))
+        for device in args.tortuosity_on:
+            for sub in ([16] if args.smoke else args.sides):
+                rows.append(tortuosity_beside_taufactor(volume, sub, device))
+                print(rows[-1], flush=True)
+    name = args.tortuosity_on[0]
+    if name.startswith("cuda"):
+        import torch
+
+        name = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+    payload = {"command": command_line("bench_measure.py", sys.argv[1:]), "environment": environment(), "rows": rows,
+               "skipped": f"{', '.join(missing)} not installed" if missing else None}
+    lines = [f"# Tortuosity factor: `alibi_vit.measure` beside TauFactor's `Solver` ({name})", "",
+             "One solve each (phase 1 along x) on a side³ sub-volume of the generated three-phase volume, after a "
+             "warm-up solve on 8³; conv_crit 1e-2, iteration limit 20000.", "",
+             "| side | device | measure (s) | TauFactor (s) | τ measure | τ TauFactor |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['side']} | {r['device']} | {r['seconds']} | {r['seconds_taufactor']} | {r['tau']} | "
+              f"{r['tau_taufactor']} |" for r in rows]
+    if missing:
+        lines += ["", f"Nothing measured: {payload['skipped']} (carry their wheels in .whl/ on the GPU machine)."]
+        print(f"skipped: {payload['skipped']}")
+    lines += ["", f"`{payload['command']}`"]
+    md, js = write_report(args.out_dir, f"measure_tortuosity_{name}", payload, lines, smoke=args.smoke)
+    print(f"wrote {md} and {js}")
+    return 0
+
+
+def _report(rows: list[dict], beside: dict | None, argv, smoke: bool, name: str) -> int:
     payload = {"command": command_line("bench_measure.py", argv or sys.argv[1:]), "environment": environment(),
                "rows": rows, "tortuosity_beside_taufactor": beside}
     lines = ["# `segment measure`: memory and time (2-core CPU)", "",
              "Fresh process per command under `/usr/bin/time -v`, imports included; inputs are zarr stores of "
-             "three phases (see the script's docstring).", "",
-             "| input | metrics | wall (s) | peak RSS (GB) | load |", "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['input']} | {r['metrics']} | {r['wall_s']} | {r['peak_rss_gb']:.2f} | "
+             "three phases (see the script's docstring). With `local:N` the peak RSS is that of the largest "
+             "process, not the sum over the workers.", "",
+             "| input | metrics | scheduler | wall (s) | peak RSS (GB) | load |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['input']} | {r['metrics']} | {r['scheduler']} | {r['wall_s']} | {r['peak_rss_gb']:.2f} | "
               f"{' '.join(str(v) for v in r['load'])} |" for r in rows]
-    lines += ["", f"Tortuosity, one solve (phase 1 along x) on the {sub}³ region: {beside['seconds']} s through "
-              f"`alibi_vit.measure` (τ = {beside['tau']}), {beside['seconds_taufactor']} s with TauFactor's `Solver` "
-              f"directly (τ = {beside['tau_taufactor']}).", "", f"`{payload['command']}`"]
-    md, js = write_report(None, "measure_cpu", payload, lines, smoke=args.smoke)
+    if beside is not None:
+        lines += ["", f"Tortuosity, one solve (phase 1 along x) on the {beside['side']}³ region: {beside['seconds']} s "
+                  f"through `alibi_vit.measure` (τ = {beside['tau']}), {beside['seconds_taufactor']} s with "
+                  f"TauFactor's `Solver` directly (τ = {beside['tau_taufactor']}).", ""]
+    lines += ["", f"`{payload['command']}`"]
+    md, js = write_report(None, name, payload, lines, smoke=smoke)
     print(f"wrote {md} and {js}")
     return 0
 

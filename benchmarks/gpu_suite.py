@@ -123,7 +123,7 @@ OPTIONAL_MODULES = ("pytest", "lightning", "timm", "skimage", "tifffile", "jsona
                     "xgboost", "pycocotools", "pydensecrf2", "playwright")
 PHASES = ("env", "tests", "fair", "auto", "learned-ab", "model", "train", "seg", "sweep-518", "sweep-1022",
           "sweep-2072", "flex", "flex-1022", "flex-learned", "flex-dense", "flex-dense-1022", "configs", "sqrt-offsets",
-          "fa3", "sass")
+          "fa3", "measure", "sass")
 # What a benchmark keeps of a phase's time for writing its results after its last row starts.
 ROW_RESERVE = {"model": 45, "train": 40, "seg": 30}
 
@@ -494,6 +494,19 @@ def seg_phase(phase):
     return [phase.dest / f"{stem}.json", phase.dest / f"{stem}.md"]
 
 
+def measure_phase(phase):
+    """`segment measure`'s tortuosity factor on the GPU (TauFactor's device) beside TauFactor called directly."""
+    extra = carried_wheels(phase, ("zarr", "taufactor"))
+    env = phase.env()
+    if extra:
+        env["PYTHONPATH"] = os.pathsep.join([extra, env["PYTHONPATH"]])
+    devices = ["cpu"] if phase.smoke else ["cuda", "cpu"]
+    cmd = [python(), "benchmarks/bench_measure.py", "--tortuosity-on", *devices, "--sides", "128", "256",
+           "--out-dir", phase.dest, "--folder", Path(tempfile.mkdtemp(prefix="gpu_suite_measure_"))]
+    phase.run(cmd + (["--smoke"] if phase.smoke else []), env)
+    return sorted(Path(phase.dest).glob("measure_tortuosity_*"))
+
+
 RUNNERS = {
     "env": env_phase,
     "tests": tests_phase,
@@ -519,6 +532,7 @@ RUNNERS = {
     "model": model_phase,
     "train": train_phase,
     "seg": seg_phase,
+    "measure": measure_phase,
 }
 
 

@@ -15,6 +15,7 @@
 #     bash benchmarks/gpu_suite.sh configs        # autotuned launch configs at 518 and 1022 px
 #     bash benchmarks/gpu_suite.sh sqrt-offsets   # the sqrt path's offsets in int32 vs fp16 halves
 #     bash benchmarks/gpu_suite.sh fa3            # the FA3-structured Gluon kernel: checked, then timed
+#     bash benchmarks/gpu_suite.sh measure        # segment measure's tortuosity (TauFactor) on the GPU vs direct
 #     bash benchmarks/gpu_suite.sh sass
 #     bash benchmarks/gpu_suite.sh all            # every phase, on a machine without a time limit
 #     bash benchmarks/gpu_suite.sh --smoke PHASE  # a CPU dry run of a phase (interpreter, tiny shapes)

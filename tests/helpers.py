@@ -179,3 +179,16 @@ def app_clients(session_folder):
     finally:
         for engine in engines:
             engine.close()
+
+
+def finished_job(client, started, timeout: float = 60) -> dict:
+    """The app's record of a background job (``started``: the answer that began it) once it has ended."""
+    import time
+
+    assert started.status_code == 200, started.text
+    job, deadline = started.json(), time.monotonic() + timeout
+    while job["state"] == "running":
+        assert time.monotonic() < deadline, job
+        time.sleep(0.05)
+        job = client.get(f"/api/jobs/{job['job']}").json()
+    return job

@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import json
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ from alibi_vit.app.volume_labels import BLOCK, SparseVolumeLabels  # noqa: E402
 from alibi_vit.chunked import open_volume  # noqa: E402
 from alibi_vit.cli.main import main  # noqa: E402
 from tests.helpers import png_pixels as png  # noqa: E402
+from tests.helpers import finished_job  # noqa: E402
 
 RED, GREEN = "#ff0000", "#00ff00"
 
@@ -59,17 +59,6 @@ def start(tmp_path):
     for engine in engines:
         engine.close()
 
-
-
-def finished(client, started, timeout: float = 60) -> dict:
-    """The record of a job (the answer ``started`` that began it) once it has ended."""
-    assert started.status_code == 200, started.text
-    job, deadline = started.json(), time.monotonic() + timeout
-    while job["state"] == "running":
-        assert time.monotonic() < deadline, job
-        time.sleep(0.05)
-        job = client.get(f"/api/jobs/{job['job']}").json()
-    return job
 
 
 def with_classes(client):
@@ -214,7 +203,7 @@ def test_xz_strokes_train_a_model_whose_slices_show_the_planted_layers_and_save_
         assert abs(fractions["2"] - np.mean(want == 2)) < 0.05 and abs(sum(fractions.values()) - 1) < 1e-4
     restarted = open_session(tmp_path / "session", folder)[1]  # the model is restored on a restart
     assert restarted.model == model and np.array_equal(restarted.trained().classes_, [1, 2])
-    saved = finished(client, client.post("/api/volumes/v/save", json={"what": ["labels", "masks", "model"]}))
+    saved = finished_job(client, client.post("/api/volumes/v/save", json={"what": ["labels", "masks", "model"]}))
     assert saved["state"] == "done" and saved["progress"] == 1, saved
     mask = tifffile.imread(tmp_path / "session" / "export" / "masks" / "v_mask.tif")
     assert mask.shape == truth.shape and np.mean(mask == truth) > 0.95
@@ -304,7 +293,7 @@ def test_a_volume_save_is_a_job_with_progress_and_cancel_and_slices_are_shown_me
     finally:
         gate.set()
         pool.shutdown(wait=True)
-    cancelled = finished(client, started.result())
+    cancelled = finished_job(client, started.result())
     assert cancelled["state"] == "cancelled" and "labels written" in cancelled["message"], cancelled
     export = tmp_path / "session" / "export"
     assert (export / "labels" / "v_labels.zarr").is_dir() and not list((export / "masks").glob("*"))
@@ -321,7 +310,7 @@ def test_a_volume_save_is_a_job_with_progress_and_cancel_and_slices_are_shown_me
     started = client.post("/api/volumes/v/save", json={"what": ["masks"]})
     job_id = started.json()["job"]
     posted.set()
-    done = finished(client, started)
+    done = finished_job(client, started)
     assert done["state"] == "done" and done["progress"] == 1 and "masks of v.tif" in done["message"], done
     assert progress == [0, 1] and done["done"] == done["total"] == 2, (progress, done)
     mask = tifffile.imread(export / "masks" / "v_mask.tif")

@@ -130,10 +130,16 @@ def test_the_fair_baselines_the_backward_kernels_the_configs_and_the_sqrt_offset
 
 
 def test_the_other_sizes_and_the_sass_phase(gpu_image):
-    proc, out, status = _smoke(gpu_image, "sweep-1022", "flex-1022", "sass", "fa3")
+    proc, out, status = _smoke(gpu_image, "sweep-1022", "flex-1022", "sass", "fa3", "measure")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     fa3 = _check_phase(out, status, "fa3")  # the Gluon kernel's phase: on the CPU its checks are the NumPy model's
     assert {"fa3_cpu-smoke.json", "fa3_cpu-smoke.md"} <= set(fa3["files"])
+    _check_phase(out, status, "measure")  # TauFactor through segment measure and directly: the same τ
+    report = json.loads((out / "measure_tortuosity_cpu.json").read_text())
+    if suite.missing_modules(("taufactor",)):  # not in the test extra: the report says so and measures nothing
+        assert report["skipped"] == "taufactor not installed" and not report["rows"]
+    else:
+        assert report["rows"] and all(r["tau"] == r["tau_taufactor"] for r in report["rows"])
     for phase, tag in (("sweep-1022", "1022"), ("flex-1022", "flex-1022")):
         _check_phase(out, status, phase)
         assert json.loads((out / f"attention_cpu-smoke_{tag}.json").read_text())["complete"]

@@ -131,3 +131,58 @@ def test_confidence_intervals_and_probability_view():
     # the representative-volume check: fractions vary less over larger windows
     stds = [r["std"] for r in result["fractions"]["windows"] if r["phase"] == 1 and r["windows"] > 1]
     assert stds == sorted(stds, reverse=True)
+
+
+class _ShuffledExecutor:
+    """A scheduler stand-in: every unit's arguments go through pickle (as to a worker process) and the units
+    finish in a shuffled order, as a cluster's may."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+
+    def broadcast(self, value):
+        import pickle
+
+        return pickle.loads(pickle.dumps(value))
+
+    def submit(self, fn, *args):
+        import pickle
+
+        fn, args = pickle.loads(pickle.dumps((fn, args)))
+        return _Done(fn(*args))
+
+    def completed(self, futures):
+        return [futures[i] for i in self.rng.permutation(len(futures))]
+
+
+class _Done:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+@pytest.mark.parametrize("shape, block", [((150, 230), 32), ((40, 44, 36), 8)])
+def test_blocks_finished_in_any_order_on_workers_give_the_same_result_and_object_ids(tmp_path, shape, block):
+    zarr = pytest.importorskip("zarr")
+    mask = smooth_phases(shape, seed=8)
+    store = zarr.create_array(str(tmp_path / "m.zarr"), shape=mask.shape, chunks=(16,) * mask.ndim, dtype=np.uint8,
+                              dimension_names="zyx"[-mask.ndim:])
+    store[:] = mask
+    grey = (np.random.default_rng(1).random(shape) * 1000).astype(np.uint16)
+    options = dict(progress=False, metrics=LOCAL, radius=5, block=block)
+    serial = measure_mask(array_source(mask), MeasureOptions(**options, instance_labels=tmp_path / "serial"),
+                          intensity=array_source(grey, name="grey"))
+    shuffled = measure_mask(open_mask(tmp_path / "m.zarr"),
+                            MeasureOptions(**options, instance_labels=tmp_path / "shuffled"),
+                            intensity=array_source(grey, name="grey"),
+                            executor=_ShuffledExecutor(seed=2))
+    assert serial["fractions"] == shuffled["fractions"] and serial["s2"] == shuffled["s2"]
+    assert serial["interfaces"] == shuffled["interfaces"] and serial["percolation"] == shuffled["percolation"]
+    assert serial["objects"].keys() == shuffled["objects"].keys()
+    for key, column in serial["objects"].items():  # the same ids in the same order, not only the same set
+        np.testing.assert_array_equal(column, shuffled["objects"][key], err_msg=key)
+    import tifffile
+
+    np.testing.assert_array_equal(tifffile.imread(tmp_path / "serial.tif"), tifffile.imread(tmp_path / "shuffled.tif"))

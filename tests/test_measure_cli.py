@@ -179,3 +179,41 @@ def test_the_commands_metric_names_are_the_librarys():
 
     assert segment_measure.METRICS == analysis.METRICS
     assert segment_measure.DEFAULT_METRICS == analysis.DEFAULT_METRICS
+
+
+def test_apply_to_ome_zarr_measures_with_the_multichannel_probabilities_it_wrote(tmp_path, capsys):
+    """A mosaic streamed to OME-Zarr gets one ``<name>_proba.ome.zarr`` with a channel per class; its channels
+    name their classes, and the probability view of each fraction is that channel's mean."""
+    import tifffile
+    import zarr
+
+    rng = np.random.default_rng(1)
+    image = (rng.random((96, 96)) * 60).astype(np.uint8)
+    image[:, 48:] += 150
+    labels = np.zeros((96, 96), np.uint8)
+    labels[10:80, 5:30], labels[10:80, 60:90] = 1, 2
+    for folder in ("images", "labels", "mosaics"):
+        (tmp_path / folder).mkdir()
+    Image.fromarray(image).save(tmp_path / "images" / "a.png")
+    Image.fromarray(labels).save(tmp_path / "labels" / "a.png")
+    tifffile.imwrite(tmp_path / "mosaics" / "a.tif", image, tile=(32, 32))  # tiled: segmented as a mosaic
+    assert main(["segment", "train", "--images", str(tmp_path / "images"), "--labels", str(tmp_path / "labels"),
+                 "--out", str(tmp_path / "model")]) == 0
+    assert main(["segment", "apply", "--model", str(tmp_path / "model"), "--images", str(tmp_path / "mosaics"),
+                 "--out", str(tmp_path / "out"), "--out-format", "ome-zarr", "--proba", "--measure"]) == 0
+    store = zarr.open_group(str(tmp_path / "out" / "a_proba.ome.zarr"), mode="r")
+    assert store.attrs["alibi_vit"]["channel_classes"] == [1, 2]
+    assert [c["label"] for c in store.attrs["omero"]["channels"]] == ["class 1", "class 2"]
+    proba = np.asarray(store["0"])
+    rows = {r["phase"]: r for r in _rows(tmp_path / "out" / "measure" / "fractions.csv")}
+    for channel, phase in enumerate(("1", "2")):
+        assert float(rows[phase]["proba_fraction"]) == pytest.approx(proba[channel].mean(dtype=np.float64), rel=1e-6)
+    mask = np.asarray(zarr.open_group(str(tmp_path / "out" / "a_mask.ome.zarr"), mode="r")["0"])
+    assert float(rows["1"]["fraction"]) == pytest.approx((mask == 1).mean(), abs=1e-12)
+    # Without the channel classes, the store is refused with the way out named.
+    attrs = zarr.open_group(str(tmp_path / "out" / "a_proba.ome.zarr"), mode="r+").attrs
+    del attrs["alibi_vit"]
+    code = main(["segment", "measure", str(tmp_path / "out" / "a_mask.ome.zarr"), "--probabilities",
+                 str(tmp_path / "out" / "a_proba.ome.zarr"), "--out", str(tmp_path / "o"), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and "does not say which class each of its 2 channels holds" in err and "_proba_<class>" in err

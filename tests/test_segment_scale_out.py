@@ -402,3 +402,17 @@ def test_a_model_with_a_vit_backbone_goes_to_the_workers_with_its_weights(data, 
     assert _apply(tmp_path / "model", images, tmp_path / "threads") == 0
     assert _apply(tmp_path / "model", images, tmp_path / "cluster", "--scheduler", cluster) == 0
     assert _files(tmp_path / "cluster") == _files(tmp_path / "threads")
+
+
+def test_measure_on_a_cluster_writes_the_same_tables_as_in_this_process(data, cluster, tmp_path):
+    """``segment measure --scheduler``: the blocks of a mosaic's and a stack's local metrics measured by the
+    cluster's workers (each opening the stores itself) give the tables of one process, byte for byte."""
+    root, _ = data
+    masks = [str(root / "reference" / "mosaic_mask.ome.zarr"), str(root / "reference" / "stack_mask.tif")]
+    common = ["segment", "measure", *masks, "--block", "64", "--radius", "8", "--quiet", "--no-plots",
+              "--metrics", "fractions", "surfaces", "s2", "objects", "percolation"]
+    assert main([*common, "--out", str(tmp_path / "here")]) == 0
+    assert main([*common, "--out", str(tmp_path / "cluster"), "--scheduler", cluster]) == 0
+    tables = {p.name: p.read_bytes() for p in sorted((tmp_path / "here").glob("*.csv"))}
+    assert {"fractions.csv", "interfaces.csv", "s2.csv", "mosaic_objects.csv", "stack_objects.csv"} <= tables.keys()
+    assert tables == {p.name: p.read_bytes() for p in sorted((tmp_path / "cluster").glob("*.csv"))}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tifffile
-import zarr
 
 from alibi_vit.chunked import open_image, open_volume
 from alibi_vit.images import ImageReadError

@@ -60,13 +60,6 @@ PASS_SCRATCH_BYTES = 256 << 20  # features a whole-image pass keeps for itself (
 APP_TILE = 518
 
 
-def _import_classifier() -> None:
-    try:
-        import xgboost  # noqa: F401
-    except Exception:  # noqa: BLE001 - a Train then imports it and reports what goes wrong
-        pass
-
-
 def _rgb(colour: str) -> tuple[int, int, int]:
     return tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
 
@@ -90,20 +83,26 @@ class PeekCache:
 
 
 class Job:
-    """A cancellable background job with progress."""
+    """A cancellable background job with progress; ``result``: what a job made for the page (a Measure
+    job's measurement), in its record once it is done."""
 
     def __init__(self, job_id: str, total: int, folder: Path | None):
         self.id, self.total, self.folder = job_id, total, folder
         self.done, self.state, self.message = 0, "running", ""
+        self.result = None
         self.cancelled = threading.Event()
 
-    def finish(self, state: str, message: str) -> None:
+    def finish(self, state: str, message: str, result=None) -> None:
+        self.result = result  # before the state: a poll that sees "done" sees the result
         self.state, self.message = state, message
 
     def record(self) -> dict:
-        return {"job": self.id, "state": self.state, "progress": self.done / max(self.total, 1), "done": self.done,
-                "total": self.total, "message": self.message,
-                "folder": None if self.folder is None else str(self.folder)}
+        record = {"job": self.id, "state": self.state, "progress": self.done / max(self.total, 1), "done": self.done,
+                  "total": self.total, "message": self.message,
+                  "folder": None if self.folder is None else str(self.folder)}
+        if self.result is not None:
+            record["result"] = self.result
+        return record
 
 
 class Engine:
@@ -149,8 +148,13 @@ class Engine:
         self._closed = False
         shutil.rmtree(session.folder / "cache" / "predictions", ignore_errors=True)  # of models gone
         # The classifier library takes seconds to import (XGBoost pulls in scikit-learn and SciPy): while
-        # the user draws, not after the first click on Train.
-        threading.Thread(target=_import_classifier, name="import-classifier", daemon=True).start()
+        # the user draws, not after the first click on Train. Through the same background import a fit starts:
+        # a thread of our own importing xgboost while that one imports xgboost.sklearn left the module half made
+        # (Python's import locks took the two for a deadlock), and a Train in the first seconds failed with
+        # "module 'xgboost' has no attribute 'XGBRFClassifier'".
+        from ..trainable.classifier import import_in_background
+
+        import_in_background()
         self._restore_model()
 
     def close(self) -> None:

@@ -35,6 +35,7 @@ from starlette.datastructures import MutableHeaders
 
 from .engine import NOW, Engine
 from .imagefiles import OutsideStore
+from .measurements import start_image_measurement, start_slice_measurement, start_volume_measurement
 from .pyramid import TILE
 from .scheduler import Cancelled, abandoned_when
 from .session import MAX_POINTS, Session, SessionError, not_saved
@@ -107,6 +108,13 @@ class SaveBody(ImageBody):
 class VolumeStrokeBody(StrokeBody):
     view: Literal["xy", "xz", "yz"]
     index: StrictInt  # the slice shown: z in XY, y in XZ, x in YZ
+
+
+class VolumeMeasureBody(_Body):
+    """What of a volume Measure measures: the slice shown (view and index) or the whole volume (whole)."""
+    view: Literal["xy", "xz", "yz"] | None = None
+    index: StrictInt | None = None  # the slice shown: z in XY, y in XZ, x in YZ
+    whole: StrictBool = False
 
 
 class VolumeSaveBody(_Body):
@@ -424,6 +432,11 @@ def create_app(session: Session, engine: Engine, token: str | None = None, max_u
         store = await outcome(request, engine, engine.submit_prediction(image_id))
         return {"classes": engine.fractions_of(store)}
 
+    # ---- measure (the Measure panel: alibi_vit.measure on the prediction shown) -------------------------
+    @app.post("/api/images/{image_id}/measure")
+    def measure_image(image_id: str):
+        return start_image_measurement(engine, image_id).record()
+
     # ---- save -------------------------------------------------------------------------------
     @app.post("/api/save")
     def save(body: SaveBody):
@@ -489,6 +502,18 @@ def add_volume_routes(app: FastAPI, session: Session, engine: Engine, volumes: V
     @app.post("/api/volumes/train")
     async def volume_train(request: Request):
         return {"model": await on_worker(request, ("volume-train",), volumes.train)}
+
+    @app.post("/api/volumes/{volume_id}/measure")
+    def volume_measure(volume_id: str, body: VolumeMeasureBody):
+        """A background job measuring the prediction of the slice shown, or of the whole volume (predicted first
+        into a mask, as its Save writes it)."""
+        slice_given = body.view is not None or body.index is not None
+        if body.whole == slice_given or (slice_given and (body.view is None or body.index is None)):
+            raise SessionError('measure either a slice, {"view": "xy"|"xz"|"yz", "index": n}, or the whole volume, '
+                               '{"whole": true}')
+        if body.whole:
+            return start_volume_measurement(engine, volumes, volume_id).record()
+        return start_slice_measurement(engine, volumes, volume_id, body.view, body.index).record()
 
     @app.post("/api/volumes/{volume_id}/save")
     def volume_save(volume_id: str, body: VolumeSaveBody):

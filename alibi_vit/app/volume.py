@@ -48,7 +48,8 @@ __all__ = ["AXES", "VolumeEntry", "Volumes", "is_volume_path"]
 FORMAT = 1
 AXES = ("xy", "xz", "yz")  # the views, by the axis they are perpendicular to (z, y, x)
 DISPLAY_SLICES = 3  # XY slices the display range is taken from
-KEEP_OVERLAYS = 64  # predicted slices kept (per model)
+KEEP_OVERLAYS = 64  # predicted slices kept as PNGs (per model)
+KEEP_PLANES = 4  # ... and as class arrays (a slice can have tens of Mpx): what the overlay and Measure share
 
 
 def is_volume_path(path: Path) -> bool:
@@ -109,6 +110,7 @@ class Volumes:
         self.model = None  # {"id", "classes", "seconds", "voxels"} of the trained volume model
         self._seg = None
         self._overlays: OrderedDict = OrderedDict()
+        self._planes: OrderedDict = OrderedDict()
         self._load()
 
     # ---- persistence --------------------------------------------------------------------------
@@ -352,6 +354,7 @@ class Volumes:
                 raise not_saved("the volume model", folder, err) from None
             self._seg, self.model = seg, model
             self._overlays.clear()
+            self._planes.clear()
         return model
 
     def _restore_model(self) -> None:
@@ -369,6 +372,20 @@ class Volumes:
             raise SessionError("no volume model yet: label at least two classes and press Train", status=409)
         return self._seg
 
+    def predicted_plane(self, volume_id: str, view, index) -> tuple[np.ndarray, int]:
+        """(the predicted class of every voxel of one slice, (rows, cols) uint8; the model's id), from the 3D
+        features of that plane only; kept for the last few slices of the current model."""
+        axis, index = self.check_slice(volume_id, view, index)
+        seg, model = self.trained(), self.model["id"]
+        key = (volume_id, axis, index, model)
+        with self.lock:
+            if key in self._planes:
+                return self._planes[key], model
+        proba = seg.plane_proba(self.image(volume_id), axis, index)
+        predicted = seg.classes_[np.argmax(proba, axis=-1)].astype(np.uint8)
+        with self.lock:
+            return remember(self._planes, key, predicted, KEEP_PLANES), model
+
     def prediction_png(self, volume_id: str, view, index, classes) -> tuple[bytes, dict]:
         """The predicted classes of one slice in the class colours (opaque), from the 3D features of
         that plane only, and the share of the slice in each class ({"1": 0.4, ...}); kept for the
@@ -379,8 +396,7 @@ class Volumes:
         with self.lock:
             if key in self._overlays:
                 return self._overlays[key]
-        proba = seg.plane_proba(self.image(volume_id), axis, index)
-        predicted = seg.classes_[np.argmax(proba, axis=-1)].astype(np.uint8)
+        predicted, _ = self.predicted_plane(volume_id, view, index)
         counts = np.bincount(predicted.ravel(), minlength=256)
         fractions = {str(v): round(float(counts[v]) / predicted.size, 6) for v in seg.classes_}
         with self.lock:
@@ -457,12 +473,11 @@ class Volumes:
 
 def _warm_up_classifier() -> None:
     """Import the classifier's library (XGBoost, with scikit-learn: about 3 s on a busy 2-core
-    machine) in the background once a volume is opened, so the first Train does not wait for it."""
-    import importlib
-    import sys
+    machine) in the background once a volume is opened, so the first Train does not wait for it; by
+    the app's one background import (see :class:`~alibi_vit.app.engine.Engine`)."""
+    from ..trainable.classifier import import_in_background
 
-    if "xgboost" not in sys.modules:
-        threading.Thread(target=importlib.import_module, args=("xgboost",), daemon=True).start()
+    import_in_background()
 
 
 def _colour(values: np.ndarray, classes) -> np.ndarray:

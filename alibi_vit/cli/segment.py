@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from ..files import check_folder_path
 from .options import add_figure_arguments, at_least, checkpoints_by_model, parse_model_args
+from .scheduler_options import add_scheduler_arguments
 
 # The choices of the options, named here so that parsing them imports no torch; they are the
 # library's (alibi_vit.trainable; tests/test_trainable_micrographs.py checks that they agree).
@@ -96,16 +97,6 @@ def _spacing(text: str) -> tuple[float, float, float]:
     if len(values) != 3 or not all(np.isfinite(v) and v > 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected three positive numbers Z,Y,X, got {text!r}")
     return values
-
-
-def _memory_size(text: str) -> str:
-    """A memory size such as 2GB, 512MiB, 1.5G or 4000000000 (bytes), as given; an argparse type, so a value
-    that is not one is a one-line error naming the option, before any worker starts."""
-    import re
-
-    if not re.fullmatch(r"\s*\d+(\.\d+)?\s*([kKmMgGtTpP]i?[bB]?|[bB])?\s*", text):
-        raise argparse.ArgumentTypeError(f"expected a size such as 2GB, 512MiB or 1.5G, got {text!r}")
-    return text.strip()
 
 
 def _add_common(p, several: bool = False):
@@ -248,31 +239,13 @@ def _add_scale_out_arguments(a) -> None:
     """apply's options for running beyond one process: Dask schedulers, SLURM, shares and resuming."""
     g = a.add_argument_group("scale-out", "segmenting thousands of images or mosaics larger than a node: a Dask "
                                           "cluster, SLURM worker jobs, or a SLURM job array (--shard)")
-    g.add_argument("--scheduler", default="threads", metavar="SPEC",
-                   help="threads (default: this process), local:N (N worker processes on this machine), "
-                        "tcp://HOST:PORT (a running Dask scheduler whose workers see the same files) or slurm "
-                        "(Dask workers as SLURM jobs; pip install 'alibi-vit[slurm]')")
-    g.add_argument("--worker-memory", type=_memory_size, default=None, metavar="SIZE",
-                   help="memory limit per worker of local:N or per SLURM job, e.g. 2GB (default: local:N shares "
-                        "the machine's memory; slurm: --slurm-memory)")
+    add_scheduler_arguments(g)
     g.add_argument("--shard", default=None, metavar="I/N",
                    help="segment only share I (0..N-1) of the inputs, every N-th image from the I-th (default in a "
                         "SLURM job array: from SLURM_ARRAY_TASK_ID and SLURM_ARRAY_TASK_COUNT); then 'segment merge OUT'")
     g.add_argument("--resume", action="store_true",
                    help="keep the outputs of an earlier run whose manifest names this model, these settings and "
                         "the same input (SHA-256), and segment the rest")
-    g.add_argument("--slurm-jobs", type=at_least(1), default=1, metavar="N", help="SLURM worker jobs (default 1)")
-    g.add_argument("--slurm-cores", type=at_least(1), default=None, metavar="N",
-                   help="cores per SLURM job, one single-threaded worker process each (default 4)")
-    g.add_argument("--slurm-memory", type=_memory_size, default=None, metavar="SIZE",
-                   help="memory per SLURM job (default 16GB)")
-    g.add_argument("--slurm-walltime", default=None, metavar="HH:MM:SS",
-                   help="time limit per SLURM job (default 01:00:00)")
-    g.add_argument("--slurm-queue", default=None, metavar="PARTITION", help="SLURM partition (default: the site's)")
-    g.add_argument("--slurm-account", default=None, metavar="ACCOUNT", help="SLURM account to charge")
-    g.add_argument("--slurm-config", type=Path, default=None, metavar="YAML",
-                   help="a YAML mapping of further dask_jobqueue.SLURMCluster arguments (job_extra_directives, "
-                        "job_script_prologue, ...); the --slurm-* options given override it")
 
 
 def _stems(path: Path) -> list[str]:
@@ -582,6 +555,7 @@ def _check_channels_once(seg, files, kinds) -> None:
 
 
 def _apply(args) -> int:
+    from contextlib import ExitStack
     from functools import partial
 
     from ..images import ImageReadError
@@ -589,7 +563,8 @@ def _apply(args) -> int:
     from ..trainable.batch import ImageJob, ModelPackage, chunked_units, run_jobs
     from ..trainable.io import write_colour_key, write_fractions_csv
     from ..trainable.output_folder import OutputFolder, model_digest
-    from ..trainable.scheduler import SlurmOptions, open_executor, parse_scheduler, parse_shard, shard_from_environment
+    from ..trainable.scheduler import parse_scheduler, parse_shard, shard_from_environment
+    from .scheduler_options import open_scheduler
 
     scheduler = parse_scheduler(args.scheduler)
     shard = parse_shard(args.shard) if args.shard is not None else shard_from_environment()
@@ -623,47 +598,47 @@ def _apply(args) -> int:
                 "modal": seg.modal, "format": args.out_format, "proba": args.proba, "overlay": not args.no_overlay,
                 "classes": [int(c) for c in seg.classes_],
                 **({"spacing": list(args.spacing) if args.spacing else None} if seg.dims == 3 else {})}
-    slurm = SlurmOptions(jobs=args.slurm_jobs, cores=args.slurm_cores, memory=args.slurm_memory,
-                         walltime=args.slurm_walltime, queue=args.slurm_queue, account=args.slurm_account,
-                         config=args.slurm_config)
     unreadable = [(p, kinds[p]) for p in files if isinstance(kinds[p], Exception)]
     spacings = _voxel_spacings(args, seg, files, names, kinds) if seg.dims == 3 else {}
-    with OutputFolder(args.out, settings, partial(write_fractions_csv, classes=seg.classes_), shard=shard) as folder:
-        folder.notes = {row: {"voxel_spacing": list(spacing)} for row, spacing in spacings.items()}
-        jobs = []
-        for path, name in zip(files, names):
-            if isinstance(kinds[path], Exception):
-                continue
-            fmt, view = kinds[path]
-            earlier = folder.finished(name.row) if args.resume else None
-            jobs.append(ImageJob(str(path), name.row, name.stem, str(folder.stage(name.row, args.out / name.folder)),
-                                 fmt, args.proba, not args.no_overlay, chunked=view is not None and seg.dims == 2,
-                                 units=chunked_units(view.shape, seg) if view is not None and seg.dims == 2 else 1,
-                                 resume_sha256=earlier.get("input_sha256") if earlier else None,
-                                 volume=seg.dims == 3))
-        for path, err in unreadable:
-            warnings.warn(f"skipped {path}: {err}")
-        with open_executor(scheduler, worker_memory=args.worker_memory, slurm=slurm) as executor:
+    with ExitStack() as scale_out:  # the scheduler stays open for --measure, after the folder is final
+        with OutputFolder(args.out, settings, partial(write_fractions_csv, classes=seg.classes_), shard=shard) as folder:
+            folder.notes = {row: {"voxel_spacing": list(spacing)} for row, spacing in spacings.items()}
+            jobs = []
+            for path, name in zip(files, names):
+                if isinstance(kinds[path], Exception):
+                    continue
+                fmt, view = kinds[path]
+                earlier = folder.finished(name.row) if args.resume else None
+                jobs.append(ImageJob(str(path), name.row, name.stem,
+                                     str(folder.stage(name.row, args.out / name.folder)), fmt, args.proba,
+                                     not args.no_overlay, chunked=view is not None and seg.dims == 2,
+                                     units=chunked_units(view.shape, seg) if view is not None and seg.dims == 2 else 1,
+                                     resume_sha256=earlier.get("input_sha256") if earlier else None,
+                                     volume=seg.dims == 3))
+            for path, err in unreadable:
+                warnings.warn(f"skipped {path}: {err}")
+            executor = scale_out.enter_context(open_scheduler(args))
             if executor.dashboard:
                 print(f"Dask dashboard: {executor.dashboard}", file=sys.stderr)
             model = seg if scheduler.kind == "threads" else executor.broadcast(
                 ModelPackage.from_folder(args.model, digest, seg.crf, seg.modal, args.device,
                                           spacing=args.spacing if seg.dims == 3 else None))
             outcome = run_jobs(executor, model, jobs, folder)
-    part = args.out / ".colour_key.part.png"  # complete or absent: shares write it at the same time
-    try:
-        os.replace(write_colour_key(part, seg.classes_, k), args.out / "colour_key.png")
-    except OSError as err:
-        part.unlink(missing_ok=True)
-        raise OSError(err.errno, err.strerror or str(err), str(args.out / "colour_key.png")) from err
-    failed = sorted([p.name for p, _ in unreadable] + [name for name, _ in outcome.failed])  # not in completion order
-    kept = f"; {outcome.kept} kept from an earlier run (--resume)" if args.resume else ""
-    print(f"segmented {outcome.written} of {len(files)} image(s) into {args.out}{kept} "
-          f"(area fractions per class in {folder.csv_path})")
-    if args.measure:
-        from . import segment_measure
+        part = args.out / ".colour_key.part.png"  # complete or absent: shares write it at the same time
+        try:
+            os.replace(write_colour_key(part, seg.classes_, k), args.out / "colour_key.png")
+        except OSError as err:
+            part.unlink(missing_ok=True)
+            raise OSError(err.errno, err.strerror or str(err), str(args.out / "colour_key.png")) from err
+        failed = sorted([p.name for p, _ in unreadable] + [name for name, _ in outcome.failed])  # not in completion order
+        kept = f"; {outcome.kept} kept from an earlier run (--resume)" if args.resume else ""
+        print(f"segmented {outcome.written} of {len(files)} image(s) into {args.out}{kept} "
+              f"(area fractions per class in {folder.csv_path})")
+        if args.measure:
+            from . import segment_measure
 
-        segment_measure.measure_folder(args.out, spacing=args.spacing if seg.dims == 3 else None)
+            segment_measure.measure_folder(args.out, spacing=args.spacing if seg.dims == 3 else None,
+                                           executor=None if scheduler.kind == "threads" else executor)
     if failed:
         print(f"alibi-vit segment: error: {len(failed)} image(s) could not be segmented: {', '.join(failed)}",
               file=sys.stderr)

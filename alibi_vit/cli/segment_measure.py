@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from .options import at_least
+from .scheduler_options import add_scheduler_arguments
 
 # The library's metric names (alibi_vit.measure.analysis), named here so that building the parser of any
 # `segment` action imports nothing more; tests/test_measure_cli.py checks that they agree.
@@ -41,8 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="unit of --spacing, written beside lengths, e.g. um (default: px without --spacing, else "
                         "'unit')")
     p.add_argument("--probabilities", nargs="+", default=None, metavar="FILE_OR_DIR",
-                   help="per-class probability maps (<name>_proba_<class>.tif from 'segment apply --proba') for the "
-                        "classifier's view of each fraction")
+                   help="probability maps from 'segment apply --proba' (<name>_proba_<class>.tif per class, or "
+                        "<name>_proba.ome.zarr), or folders of them, for the classifier's view of each fraction")
     p.add_argument("--intensity-images", nargs="+", default=None, metavar="FILE_OR_DIR",
                    help="the grey images the masks segment (a.tif for a_mask.png), for each object's mean intensity")
     p.add_argument("--region", default=None, metavar="[Z0:Z1,]Y0:Y1,X0:X1",
@@ -66,15 +67,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plots", action="store_true", help="write the tables only, no figures")
     p.add_argument("--dpi", type=at_least(10), default=150, help="resolution of the PNG figures (default %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_scheduler_arguments(p.add_argument_group(
+        "scale-out", "where the blocks of the local metrics (fractions, interfaces, S2, objects) are measured: "
+                     "a Dask cluster or SLURM worker jobs whose workers see the same files; the global metrics "
+                     "and the instance labels run in this process"))
+
+
+def _is_probability(path: Path) -> bool:
+    from ..measure.masks import _stem
+
+    return "_proba_" in path.name or _stem(path).endswith("_proba")
 
 
 def _probability_files(items) -> list[Path]:
+    from ..chunked import is_zarr_path
     from ..measure.masks import MeasureError
 
     files = []
     for item in map(Path, items or []):
-        if item.is_dir():
-            files += sorted(p for p in item.iterdir() if "_proba_" in p.name)
+        if item.is_dir() and not is_zarr_path(item):
+            files += sorted(p for p in item.iterdir() if _is_probability(p))
         elif item.exists():
             files.append(item)
         else:
@@ -107,9 +119,9 @@ def _unique_stems(paths) -> list[str]:
     return stems
 
 
-def measure_folder(folder: Path, spacing=None) -> int:
-    """``segment apply --measure``: the masks (and per-class probability maps) below ``folder`` measured with
-    the default metrics into ``folder/measure``."""
+def measure_folder(folder: Path, spacing=None, executor=None) -> int:
+    """``segment apply --measure``: the masks (and probability maps) below ``folder`` measured with the default
+    metrics into ``folder/measure``; ``executor``: apply's open scheduler (None: this process)."""
     from ..chunked import is_zarr_path
     from ..measure.masks import MASK_SUFFIXES, _stem
 
@@ -119,16 +131,29 @@ def measure_folder(folder: Path, spacing=None) -> int:
     if not found:
         print(f"alibi-vit segment: warning: no masks to measure in {folder}", file=sys.stderr)
         return 0
-    probabilities = [str(p) for p in sorted(folder.rglob("*_proba_*")) if p.suffix.lower() in (".tif", ".tiff")]
+    probabilities = [str(p) for p in sorted(folder.rglob("*_proba*")) if _is_probability(p)
+                     and (is_zarr_path(p) or p.suffix.lower() in (".tif", ".tiff"))]
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     argv = [str(p) for p in found] + ["--out", str(folder / "measure")]
     argv += ["--spacing", ",".join(str(v) for v in spacing)] if spacing else []
     argv += ["--probabilities", *probabilities] if probabilities else []
-    return run(parser.parse_args(argv))
+    return run(parser.parse_args(argv), executor)
 
 
-def run(args) -> int:
+def run(args, executor=None) -> int:
+    """The command; ``executor``: a scheduler already open (None: the one ``args`` names is opened here)."""
+    if executor is None and args.scheduler != "threads":
+        from .scheduler_options import open_scheduler
+
+        with open_scheduler(args) as opened:
+            if opened.dashboard:
+                print(f"Dask dashboard: {opened.dashboard}", file=sys.stderr)
+            return _measure_all(args, opened)
+    return _measure_all(args, executor)
+
+
+def _measure_all(args, executor) -> int:
     from ..files import require_writable_folder
     from ..measure.analysis import MeasureOptions, measure_mask
     from ..measure.masks import (
@@ -141,6 +166,7 @@ def run(args) -> int:
         parse_region,
         parse_spacing,
     )
+    from ..measure.masks import _stem
     from ..measure.report import write_mask_outputs, write_tables
 
     spacing = parse_spacing(args.spacing) if args.spacing else None
@@ -153,7 +179,7 @@ def run(args) -> int:
     out = require_writable_folder(args.out)
     results = []
     for path, stem, source, region in zip(masks, _unique_stems(masks), sources, regions):
-        mine = [p for p in probability_files if p.name.startswith(f"{stem}_proba_")]
+        mine = [p for p in probability_files if p.name.startswith(f"{stem}_proba_") or _stem(p) == f"{stem}_proba"]
         if args.probabilities and not mine:
             print(f"alibi-vit segment measure: warning: no probability map <{stem}_proba_K> for {path}",
                   file=sys.stderr)
@@ -170,7 +196,7 @@ def run(args) -> int:
                                  min_size=args.min_size, max_memory=max_memory, unit=unit,
                                  instance_labels=out / f"{stem}_objects" if args.instance_labels else None,
                                  device=args.device, progress=not args.quiet)
-        result = measure_mask(source.with_region(region), options, probabilities, intensity)
+        result = measure_mask(source.with_region(region), options, probabilities, intensity, executor=executor)
         if not result["fractions"]["voxels"]:
             raise MeasureError(f"{path}: no voxels to measure")
         written = write_mask_outputs(out, stem, result)

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 
 from . import chunks
-from .correlation import PairCorrelation
-from .fractions import FractionCounts, cell_side, settles, tile_side
+from .correlation import PairCorrelation, pair_counts
+from .fractions import FractionCounts, cell_counts, cell_probability, cell_side, settles, tile_side
 from .masks import MAX_PHASES, MaskSource, MeasureError
-from .objects import ObjectLabels
+from .objects import ObjectLabels, block_objects
 from .sizes import (
     CHORD_BYTES_PER_VOXEL,
     THICKNESS_BASE_BYTES,
@@ -28,10 +28,11 @@ from .sizes import (
     local_thickness,
     size_histogram,
 )
-from .surfaces import InterfaceCounts, specific_surface
+from .surfaces import InterfaceCounts, face_counts, specific_surface
 from .transport import TORTUOSITY_BASE_BYTES, TORTUOSITY_BYTES_PER_VOXEL, import_taufactor, percolation, tortuosity
 
-__all__ = ["DEFAULT_METRICS", "GLOBAL_METRICS", "LOCAL_METRICS", "METRICS", "MeasureOptions", "measure_mask"]
+__all__ = ["DEFAULT_METRICS", "GLOBAL_METRICS", "LOCAL_METRICS", "METRICS", "BlockJob", "MeasureOptions",
+           "measure_block", "measure_mask"]
 
 LOCAL_METRICS = ("fractions", "surfaces", "s2", "objects", "percolation")
 GLOBAL_METRICS = ("chords", "thickness", "tortuosity")
@@ -73,11 +74,63 @@ def _bar(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="block", disable=not enabled or total <= 1, leave=False)
 
 
+@dataclass(frozen=True)
+class BlockJob:
+    """Everything a block's local metrics need besides the block: sent once to each of a scheduler's workers."""
+
+    source: MaskSource
+    cell: int
+    radius: int  # S2 up to this many voxels; 0 with no S2
+    surfaces: bool
+    s2: bool
+    objects: bool
+    probabilities: dict | None = None
+    intensity: MaskSource | None = None
+
+    @property
+    def axes(self) -> tuple[int, ...]:
+        return (0, 1, 2) if self.source.ndim == 3 else (1, 2)
+
+
+def measure_block(job: BlockJob, block: chunks.Block) -> dict:
+    """One block's share of every local metric (a unit of work, run here or on a scheduler's worker)."""
+    source = job.source
+    values = _checked(source.read(block.read), source.name)
+    core = chunks.core_view(values, block)
+    cell_z = 1 if source.ndim == 2 else job.cell
+    share = {"counts": cell_counts(core, cell_z, job.cell)}
+    share["probability"] = {phase: cell_probability(source_read(proba, source, block.core), cell_z, job.cell)
+                            for phase, proba in (job.probabilities or {}).items()}
+    if job.surfaces:
+        share["faces"] = face_counts(values, block.core_shape, job.axes)
+    if job.s2:
+        share["pairs"] = pair_counts(values, block.core_shape, job.axes, job.radius,
+                                     np.flatnonzero(np.bincount(values.ravel())))
+    if job.objects:
+        grey = source_read(job.intensity, source, block.core, scale=False) if job.intensity is not None else None
+        share["objects"] = block_objects(np.ascontiguousarray(core), [s.start for s in block.core], job.axes, grey)
+    return share
+
+
+def _block_shares(job: BlockJob, grid: list, executor):
+    """``(block, share)`` of every block, in raster order here or as a scheduler's workers finish them."""
+    if executor is None:
+        for block in grid:
+            yield block, measure_block(job, block)
+        return
+    handle = executor.broadcast(job)
+    futures = {executor.submit(measure_block, handle, block): block for block in grid}
+    for future in executor.completed(list(futures)):
+        yield futures.pop(future), future.result()  # dropped once added up: the cluster frees the share
+
+
 def measure_mask(source: MaskSource, options: MeasureOptions, probabilities: dict | None = None,
-                 intensity: MaskSource | None = None) -> dict:
+                 intensity: MaskSource | None = None, executor=None) -> dict:
     """The chosen metrics of ``source`` (already restricted to its region) as a dict of plain values and
     arrays; see the package docstring for the families. ``probabilities``: ``{class: map}`` for the
-    fractions' probability view; ``intensity``: the image the mask segments, for the objects' mean intensity."""
+    fractions' probability view; ``intensity``: the image the mask segments, for the objects' mean intensity.
+    ``executor``: where the blocks' local metrics run (``submit``/``broadcast``/``completed``, as
+    :mod:`alibi_vit.trainable.scheduler` gives for a Dask cluster); None: one after the other in this process."""
     metrics = set(options.metrics) | {"fractions"}
     if "percolation" in metrics:
         metrics.add("objects")
@@ -91,23 +144,21 @@ def measure_mask(source: MaskSource, options: MeasureOptions, probabilities: dic
     counts = FractionCounts(shape, ndim, cell)
     interfaces = InterfaceCounts(ndim) if "surfaces" in metrics else None
     correlation = PairCorrelation(ndim, radius) if "s2" in metrics else None
-    objects = ObjectLabels(shape, ndim) if "objects" in metrics else None
+    objects = ObjectLabels(shape, ndim, chunks.grid_shape(shape, side)) if "objects" in metrics else None
+    job = BlockJob(source, cell, radius, interfaces is not None, correlation is not None, objects is not None,
+                   probabilities, intensity)
     grid = list(chunks.blocks(shape, side, halo))
     with _bar(len(grid), f"{Path(source.name).name}: local metrics", options.progress) as bar:
-        for block in grid:
-            values = _checked(source.read(block.read), source.name)
-            core = chunks.core_view(values, block)
-            counts.add(block.core, core)
-            for phase, proba in (probabilities or {}).items():
-                counts.add_probability(phase, block.core, source_read(proba, source, block.core))
+        for block, share in _block_shares(job, grid, executor):
+            counts.add(block.core, share["counts"])
+            for phase, (sums, variance) in share["probability"].items():
+                counts.add_probability(phase, block.core, sums, variance)
             if interfaces is not None:
-                interfaces.add(values, block.core_shape)
+                interfaces.add(share["faces"])
             if correlation is not None:
-                correlation.add(values, block.core_shape, np.flatnonzero(np.bincount(values.ravel())))
+                correlation.add(share["pairs"])
             if objects is not None:
-                grey = source_read(intensity, source, block.core, scale=False) if intensity is not None else None
-                objects.label_block(np.ascontiguousarray(core), [s.start for s in block.core], block.index,
-                                    intensity=grey)
+                objects.add(block.index, share["objects"])
             bar.update()
     result = {"mask": source.name, "shape": list(shape[3 - ndim:]), "ndim": ndim, "axes": source.axes,
               "spacing": [spacing[a] for a in range(3 - ndim, 3)], "unit": options.unit,
@@ -169,7 +220,7 @@ def _write_instances(source, objects, mapping, grid, options) -> Path:
     with _bar(len(grid), f"{Path(source.name).name}: instance labels", options.progress) as bar:
         for block in grid:
             core = chunks.core_view(_checked(source.read(block.read), source.name), block)
-            ids = mapping[objects.label_block(np.ascontiguousarray(core), None, block.index, first_pass=False)]
+            ids = mapping[objects.block_ids(np.ascontiguousarray(core), block.index)]
             if squeeze and not isinstance(out, np.ndarray):
                 out[block.core[1:]] = ids[0].astype(dtype)
             else:

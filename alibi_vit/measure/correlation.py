@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["PairCorrelation"]
+__all__ = ["PairCorrelation", "pair_counts"]
 
 
 def _packed(indicator: np.ndarray, axis: int) -> tuple[np.ndarray, int]:
@@ -29,8 +29,35 @@ def _packed(indicator: np.ndarray, axis: int) -> tuple[np.ndarray, int]:
     return np.ascontiguousarray(bits).view(np.uint64), moved.shape[0]
 
 
+def pair_counts(values: np.ndarray, core_shape: tuple[int, int, int], axes, radius: int,
+                phases) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+    """A block's pairs ``(p, p + r·e_axis)`` with ``p`` in its core, r = 0..radius: how many lie in the mask
+    (``(3, radius + 1)``) and how many have both voxels in each of ``phases``. ``values``: the block with a halo
+    of ``radius`` on its far sides."""
+    pairs = np.zeros((3, radius + 1), np.int64)
+    both = {int(phase): np.zeros((3, radius + 1), np.int64) for phase in phases}
+    for axis in axes:
+        # The first voxel of a pair is in the core on every axis; the second may be in the halo along ``axis``.
+        span = [slice(0, c) for c in core_shape]
+        span[axis] = slice(0, values.shape[axis])
+        along = values[tuple(span)]
+        others = int(np.prod([c for a, c in enumerate(core_shape) if a != axis]))
+        for r in range(radius + 1):
+            n = min(core_shape[axis], along.shape[axis] - r)
+            if n > 0:
+                pairs[axis, r] += n * others
+        for phase, counts in both.items():
+            words, length = _packed(along == phase, axis)
+            for r in range(radius + 1):
+                n = min(core_shape[axis], length - r)
+                if n <= 0:
+                    break
+                counts[axis, r] += int(np.bitwise_count(words[:n] & words[r:r + n]).sum(dtype=np.int64))
+    return pairs, both
+
+
 class PairCorrelation:
-    """Pair counts ``both[phase][axis, r]`` and ``pairs[axis, r]`` for r = 0..radius."""
+    """Pair counts ``both[phase][axis, r]`` and ``pairs[axis, r]`` for r = 0..radius, summed over blocks."""
 
     def __init__(self, ndim: int, radius: int):
         self.ndim, self.radius = ndim, radius
@@ -38,26 +65,13 @@ class PairCorrelation:
         self.pairs = np.zeros((3, radius + 1), np.int64)
         self.both: dict[int, np.ndarray] = {}
 
-    def add(self, values: np.ndarray, core_shape: tuple[int, int, int], phases) -> None:
-        """``values``: a block read with a halo of ``radius`` on its far sides."""
-        for axis in self.axes:
-            # The first voxel of a pair is in the core on every axis; the second may be in the halo along ``axis``.
-            span = [slice(0, c) for c in core_shape]
-            span[axis] = slice(0, values.shape[axis])
-            along = values[tuple(span)]
-            others = int(np.prod([c for a, c in enumerate(core_shape) if a != axis]))
-            for r in range(self.radius + 1):
-                n = min(core_shape[axis], along.shape[axis] - r)
-                if n > 0:
-                    self.pairs[axis, r] += n * others
-            for phase in phases:
-                words, length = _packed(along == phase, axis)
-                counts = self.both.setdefault(int(phase), np.zeros((3, self.radius + 1), np.int64))
-                for r in range(self.radius + 1):
-                    n = min(core_shape[axis], length - r)
-                    if n <= 0:
-                        break
-                    counts[axis, r] += int(np.bitwise_count(words[:n] & words[r:r + n]).sum(dtype=np.int64))
+    def add(self, counts: tuple[np.ndarray, dict[int, np.ndarray]]) -> None:
+        """Add one block's :func:`pair_counts`."""
+        pairs, both = counts
+        self.pairs += pairs
+        for phase, n in both.items():
+            self.both.setdefault(phase, np.zeros((3, self.radius + 1), np.int64))
+            self.both[phase] += n
 
     def summary(self, spacing: tuple[float, float, float]) -> list[dict]:
         """Rows (phase, axis, r in voxels, distance, S2) and, when every axis has the same spacing, the mean over

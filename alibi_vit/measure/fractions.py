@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["FractionCounts", "cell_side", "tile_side"]
+__all__ = ["FractionCounts", "cell_counts", "cell_probability", "cell_side", "settles", "tile_side"]
 
 BOOTSTRAP_DRAWS = 2000
 SETTLED_RELATIVE_STD = 0.05  # a window "represents" the phase when fractions across windows vary by under 5 %
@@ -46,6 +46,18 @@ def _reduce_cells(values: np.ndarray, cell_z: int, cell: int) -> np.ndarray:
     return values
 
 
+def cell_counts(values: np.ndarray, cell_z: int, cell: int) -> dict[int, np.ndarray]:
+    """Voxels of each phase present in a block's core ``values``, per cell: what :meth:`FractionCounts.add` takes."""
+    present = np.flatnonzero(np.bincount(values.ravel(), minlength=1))
+    return {int(phase): _reduce_cells((values == phase).astype(np.int32), cell_z, cell) for phase in present}
+
+
+def cell_probability(proba: np.ndarray, cell_z: int, cell: int) -> tuple[np.ndarray, float]:
+    """A block's probability sums per cell and its sum of p(1 - p): what :meth:`FractionCounts.add_probability` takes."""
+    proba = proba.astype(np.float64)
+    return _reduce_cells(proba, cell_z, cell), float(np.sum(proba * (1 - proba)))
+
+
 class FractionCounts:
     """Voxels per phase per cell, accumulated block by block; probability sums likewise when given."""
 
@@ -60,25 +72,24 @@ class FractionCounts:
     def _cells_of(self, core: tuple[slice, slice, slice]):
         return tuple(slice(s.start // c, -(-s.stop // c)) for s, c in zip(core, (self.cell_z, self.cell, self.cell)))
 
-    def add(self, core: tuple[slice, slice, slice], values: np.ndarray) -> None:
-        """Count the core ``values`` of one block (its origin on the cell grid)."""
-        present = np.flatnonzero(np.bincount(values.ravel(), minlength=1))
-        if present[-1] >= self.counts.shape[-1]:
-            grown = np.zeros(self.grid + (int(present[-1]) + 1,), np.int64)
+    def add(self, core: tuple[slice, slice, slice], counts: dict[int, np.ndarray]) -> None:
+        """Add one block's :func:`cell_counts` (``core``: where the block lies, on the cell grid)."""
+        top = max(counts)
+        if top >= self.counts.shape[-1]:
+            grown = np.zeros(self.grid + (top + 1,), np.int64)
             grown[..., : self.counts.shape[-1]] = self.counts
             self.counts = grown
         cells = self._cells_of(core)
-        for phase in present:
-            self.counts[cells + (int(phase),)] += _reduce_cells((values == phase).astype(np.int32), self.cell_z,
-                                                                self.cell)
+        for phase, cell_values in counts.items():
+            self.counts[cells + (phase,)] += cell_values
 
-    def add_probability(self, phase: int, core: tuple[slice, slice, slice], proba: np.ndarray) -> None:
-        proba = proba.astype(np.float64)
+    def add_probability(self, phase: int, core: tuple[slice, slice, slice], sums: np.ndarray, variance: float) -> None:
+        """Add one block's :func:`cell_probability` of ``phase``."""
         if phase not in self.proba_sums:
             self.proba_sums[phase] = np.zeros(self.grid)
             self.proba_variance[phase] = 0.0
-        self.proba_sums[phase][self._cells_of(core)] += _reduce_cells(proba, self.cell_z, self.cell)
-        self.proba_variance[phase] += float(np.sum(proba * (1 - proba)))
+        self.proba_sums[phase][self._cells_of(core)] += sums
+        self.proba_variance[phase] += variance
 
     @property
     def phases(self) -> list[int]:

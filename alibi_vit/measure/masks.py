@@ -89,8 +89,36 @@ def array_source(array, spacing=None, name: str = "array") -> MaskSource:
     return source
 
 
-def _whole(array: np.ndarray):
-    return lambda box: array[box]
+class _Whole:
+    """Reads boxes of an array in memory (pickled with it, for a scheduler's workers)."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def __call__(self, box):
+        return self.array[box]
+
+
+class _Stored:
+    """Reads (z, y, x) boxes of a TIFF or zarr store, opened on first use: it pickles as its path, so that a
+    scheduler's workers each open the store themselves. ``channel``: the channel read from a multi-channel store."""
+
+    def __init__(self, path: Path, channel: int | None = None, image=None):
+        self.path, self.channel, self._image = Path(path), channel, image
+
+    def __getstate__(self):
+        return {"path": self.path, "channel": self.channel, "_image": None}
+
+    def __call__(self, box):
+        if self._image is None:
+            from ..chunked import open_image
+
+            self._image = open_image(self.path)
+        return self._image.read_box(*box, channel=self.channel)
+
+
+def _whole(array: np.ndarray) -> _Whole:
+    return _Whole(array)
 
 
 def _read_plain(path: Path) -> np.ndarray:
@@ -122,7 +150,7 @@ def _open_stored(path: Path, what: str = "a mask holds one class value per pixel
                            "or one volume of z slices")
     shape = image.volume_shape if image.plane_axes == "z" else (1,) + image.shape
     chunks = (1 if shape[0] == 1 else min(shape[0], 64),) + tuple(image.chunks)
-    return (lambda box: image.read_box(*box)), shape, image.dtype, image.spacing, chunks
+    return _Stored(path, image=image), shape, image.dtype, image.spacing, chunks
 
 
 def _open_any(path: Path, what: str = "a mask holds one class value per pixel"):
@@ -173,19 +201,48 @@ def _spacing_for(source: MaskSource, given, stored) -> tuple[float, float, float
 
 
 def open_probabilities(paths: list[Path], mask: MaskSource) -> dict[int, MaskSource]:
-    """Per-class probability maps ``{class value: source}`` of the same shape as ``mask`` (float values)."""
+    """Per-class probability maps ``{class value: source}`` of the same shape as ``mask`` (float values): files
+    ``<name>_proba_<class>.tif`` of one class each, or a multi-channel ``<name>_proba.ome.zarr`` whose channels
+    name their classes (as ``segment apply --proba`` writes them)."""
     maps = {}
     for path in paths:
-        match = re.search(r"_proba_(\d+)$", _stem(path))
-        if not match:
-            raise MeasureError(f"{path}: a probability map is named <name>_proba_<class>.tif (as 'segment apply "
-                               "--proba' writes it)")
-        reader, shape, dtype, _, chunks = _open_any(path)
-        if tuple(shape) != mask.shape[-3:] and tuple(shape) != mask.shape:
-            raise MeasureError(f"{path}: shape {tuple(shape)} differs from the mask's {mask.shape}")
-        maps[int(match.group(1))] = MaskSource(str(path), tuple(shape), np.dtype(dtype), mask.ndim, reader,
-                                               mask.spacing, storage_chunks=chunks)
+        path = Path(path)
+        for value, reader, shape, dtype, chunks in _probability_channels(path):
+            if tuple(shape) != mask.shape[-3:] and tuple(shape) != mask.shape:
+                raise MeasureError(f"{path}: shape {tuple(shape)} differs from the mask's {mask.shape}")
+            maps[value] = MaskSource(str(path), tuple(shape), np.dtype(dtype), mask.ndim, reader, mask.spacing,
+                                     storage_chunks=chunks)
     return maps
+
+
+def _probability_channels(path: Path):
+    """``(class value, reader, shape, dtype, chunks)`` of each class a probability file holds."""
+    match = re.search(r"_proba(?:_(\d+))?$", _stem(path))
+    if not match:
+        raise MeasureError(f"{path}: a probability map is named <name>_proba_<class>.tif or <name>_proba.ome.zarr "
+                           "(as 'segment apply --proba' writes them)")
+    if match.group(1) is not None:
+        reader, shape, dtype, _, chunks = _open_any(path, "a per-class probability map has one channel")
+        return [(int(match.group(1)), reader, shape, dtype, chunks)]
+    from ..chunked import open_image
+    from ..images import ImageReadError
+
+    if not path.exists():
+        raise MeasureError(f"{path}: no such file or zarr folder")
+    try:
+        image = open_image(path)
+        import zarr
+
+        classes = dict(zarr.open_group(str(path), mode="r").attrs).get("alibi_vit", {}).get("channel_classes")
+    except (ImageReadError, FileNotFoundError, ValueError, TypeError) as err:
+        raise MeasureError(f"{path}: cannot read the probabilities ({err})") from None
+    if not classes or len(classes) != image.channels:
+        raise MeasureError(f"{path}: does not say which class each of its {image.channels} channels holds "
+                           "(alibi_vit.channel_classes); give the per-class <name>_proba_<class> files instead")
+    shape = image.volume_shape if image.plane_axes == "z" else (1,) + image.shape
+    chunks = (1 if shape[0] == 1 else min(shape[0], 64),) + tuple(image.chunks)
+    return [(int(c), _Stored(path, channel=k, image=image), shape, image.dtype, chunks)
+            for k, c in enumerate(classes)]
 
 
 def open_intensity(path, mask: MaskSource) -> MaskSource:
@@ -225,7 +282,8 @@ def find_masks(items) -> list[Path]:
             continue
         inside = sorted(p for p in item.iterdir()
                         if (p.is_file() and p.suffix.lower() in MASK_SUFFIXES) or is_zarr_path(p))
-        inside = [p for p in inside if "_proba_" not in p.name and "_objects" not in p.name]
+        inside = [p for p in inside if "_proba_" not in p.name and not _stem(p).endswith("_proba")
+                  and "_objects" not in p.name]
         masks = [p for p in inside if _stem(p).endswith("_mask")]
         if not (masks or inside):
             raise MeasureError(f"{item}: holds no mask (PNG, TIFF, BMP or zarr)")

@@ -98,7 +98,11 @@ def plot_sizes(result: dict, path: Path, dpi: int) -> list[Path]:
                 _bars(ax, histogram, _colour(phase), f"phase {phase}")
             ax.set_xlabel(f"local thickness, diameter ({unit})")
             ax.set_ylabel("share of volume")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        else:  # e.g. every object cut by the border: say so rather than leave an empty frame
+            ax.text(0.5, 0.5, "nothing to show" + (": every object is cut by the border" if name == "objects" else ""),
+                    ha="center", va="center", transform=ax.transAxes, fontsize=8)
     return _save(figure, path, dpi)
 
 

@@ -13,17 +13,17 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["write_mask_outputs", "write_tables"]
+__all__ = ["object_summary", "plain", "write_mask_outputs", "write_tables"]
 
 
-def _plain(value):
+def plain(value):
     """``value`` with numpy scalars and arrays as Python values, non-finite floats as None (valid JSON)."""
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     if isinstance(value, np.ndarray):
-        return _plain(value.tolist())
+        return plain(value.tolist())
     if isinstance(value, np.generic):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
@@ -37,7 +37,7 @@ def _write_csv(path: Path, rows: list[dict]) -> Path:
         writer = csv.DictWriter(handle, columns)
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: ("" if v is None else v) for k, v in _plain(row).items()})
+            writer.writerow({k: ("" if v is None else v) for k, v in plain(row).items()})
     return path
 
 
@@ -78,7 +78,7 @@ def write_mask_outputs(out: Path, stem: str, result: dict) -> list[Path]:
         summary["object_summary"] = object_summary(result)
         written.append(write_object_csv(out / f"{stem}_objects.csv", result["objects"]))
     path = out / f"{stem}_measure.json"
-    path.write_text(json.dumps(_plain(summary), indent=1))
+    path.write_text(json.dumps(plain(summary), indent=1))
     return [path] + written
 
 

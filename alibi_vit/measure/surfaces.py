@@ -20,31 +20,41 @@ import numpy as np
 
 from .masks import MAX_PHASES
 
-__all__ = ["InterfaceCounts"]
+__all__ = ["InterfaceCounts", "face_counts", "specific_surface"]
+
+
+def face_counts(values: np.ndarray, core_shape: tuple[int, int, int], axes) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """The faces between a block's core voxels and their far neighbours, per axis: ``(axis, pair codes, counts)``
+    for the phase pairs that meet (code ``low·256 + high``). ``values``: the block with a halo of at least 1."""
+    found = []
+    for axis in axes:
+        n = min(core_shape[axis], values.shape[axis] - 1)  # core voxels whose far neighbour is in the mask
+        if n <= 0:
+            continue
+        near = [slice(0, c) for c in core_shape]
+        far = list(near)
+        near[axis], far[axis] = slice(0, n), slice(1, n + 1)
+        a, b = values[tuple(near)], values[tuple(far)]
+        differ = a != b
+        low, high = np.minimum(a[differ], b[differ]), np.maximum(a[differ], b[differ])
+        histogram = np.bincount(low.astype(np.int64) * MAX_PHASES + high, minlength=MAX_PHASES * MAX_PHASES)
+        codes = np.flatnonzero(histogram)
+        found.append((axis, codes, histogram[codes]))
+    return found
 
 
 class InterfaceCounts:
-    """Face counts per unordered phase pair and axis, block by block."""
+    """Face counts per unordered phase pair and axis, summed over blocks."""
 
     def __init__(self, ndim: int):
         self.ndim = ndim
         self.axes = (0, 1, 2) if ndim == 3 else (1, 2)
-        self.faces = np.zeros((3, MAX_PHASES, MAX_PHASES), np.int64)
+        self.faces = np.zeros((3, MAX_PHASES * MAX_PHASES), np.int64)
 
-    def add(self, values: np.ndarray, core_shape: tuple[int, int, int]) -> None:
-        """``values``: a block read with a halo of at least 1 on its far sides."""
-        for axis in self.axes:
-            n = min(core_shape[axis], values.shape[axis] - 1)  # core voxels whose far neighbour is in the mask
-            if n <= 0:
-                continue
-            near = [slice(0, c) for c in core_shape]
-            far = list(near)
-            near[axis], far[axis] = slice(0, n), slice(1, n + 1)
-            a, b = values[tuple(near)], values[tuple(far)]
-            differ = a != b
-            low, high = np.minimum(a[differ], b[differ]), np.maximum(a[differ], b[differ])
-            codes = low.astype(np.int64) * MAX_PHASES + high
-            self.faces[axis] += np.bincount(codes, minlength=MAX_PHASES * MAX_PHASES).reshape(MAX_PHASES, MAX_PHASES)
+    def add(self, counts: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+        """Add one block's :func:`face_counts`."""
+        for axis, codes, n in counts:
+            self.faces[axis, codes] += n
 
     def summary(self, spacing: tuple[float, float, float], voxels: int) -> list[dict]:
         """One row per phase pair with an interface: face counts, areas (or lengths) and their densities."""
@@ -56,9 +66,10 @@ class InterfaceCounts:
         # length, without the one-voxel shortfall of the lines at the far edge, which would bias a closed
         # object's area by n/(n-1)).
         crofton = 2.0 if self.ndim == 3 else np.pi / 2
+        faces = self.faces.reshape(3, MAX_PHASES, MAX_PHASES)
         rows = []
-        for low, high in zip(*np.nonzero(self.faces.sum(axis=0))):
-            per_axis = {a: int(self.faces[a, low, high]) for a in self.axes}
+        for low, high in zip(*np.nonzero(faces.sum(axis=0))):
+            per_axis = {a: int(faces[a, low, high]) for a in self.axes}
             faces_area = sum(per_axis[a] * face_size[a] for a in self.axes)
             isotropic = crofton * np.mean([per_axis[a] * face_size[a] for a in self.axes])
             row = {"phase_a": int(low), "phase_b": int(high), "faces": sum(per_axis.values()),

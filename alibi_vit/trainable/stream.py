@@ -175,7 +175,8 @@ class StreamLayout:
         self.folder.mkdir(parents=True, exist_ok=True)
         for name, (path, dtype, channels, nearest) in self._outputs().items():
             ZarrOutput(path, self.shape, dtype, self.tile, channels, pyramid=True, nearest=nearest,
-                       colours=self.colours if name == "mask" else None, spacing=self.spacing)
+                       colours=self.colours if name == "mask" else None, spacing=self.spacing,
+                       channel_classes=self.classes if name == "proba" else None, channel_colours=self.colours)
         for path in self._scratch():
             ZarrOutput(path, self.shape, np.float32, self.tile, len(self.classes), pyramid=False, spacing=self.spacing)
 

@@ -61,11 +61,14 @@ class ZarrOutput:
     twice). pyramid: write an OME-Zarr image (reduced levels by :meth:`finish`) rather than a bare
     array. nearest: downsample by taking pixels (labels) rather than averaging. colours: (K + 1, 3)
     uint8 palette stored as NGFF image-label colours for class values 1..K. spacing: a volume's
-    (z, y, x) voxel spacing, stored as the scale of level 0.
+    (z, y, x) voxel spacing, stored as the scale of level 0. channel_classes: the class value each channel
+    holds the probability of (probabilities), stored as ``alibi_vit.channel_classes`` and as NGFF ``omero``
+    channel labels ``class K`` for viewers, in ``channel_colours`` (a palette as ``colours``) when given.
     """
 
     def __init__(self, path, shape, dtype, chunk: int, channels: int = 1, *, pyramid: bool = True,
-                 nearest: bool = False, colours=None, name: str | None = None, spacing=None):
+                 nearest: bool = False, colours=None, name: str | None = None, spacing=None, channel_classes=None,
+                 channel_colours=None):
         import zarr
 
         self.path, self.shape, self.channels = Path(path), tuple(int(n) for n in shape), int(channels)
@@ -81,6 +84,8 @@ class ZarrOutput:
                 self._write_metadata(colours)
             else:  # a bare array: how many of its axes are spatial, for reopen
                 self.group.attrs["spatial_axes"] = len(self.shape)
+            if channel_classes is not None:
+                self._write_channel_classes([int(c) for c in channel_classes], channel_colours)
         except OSError as err:
             raise output_error(self.path, err) from err
         self._colours = colours
@@ -140,6 +145,17 @@ class ZarrOutput:
             attrs["image-label"] = {"version": "0.4", "colors": [
                 {"label-value": v, "rgba": [int(x) for x in colours[v]] + [255]} for v in range(1, len(colours))]}
         self.group.attrs.update(attrs)
+
+    def _write_channel_classes(self, classes: list[int], colours) -> None:
+        if len(classes) != self.channels:
+            raise ValueError(f"{self.path}: {len(classes)} channel classes for {self.channels} channels")
+        hexes = [("%02X%02X%02X" % tuple(int(v) for v in colours[c][:3])) if colours is not None and c < len(colours)
+                 else "FFFFFF" for c in classes]
+        self.group.attrs.update({
+            "alibi_vit": {"channel_classes": classes},
+            "omero": {"version": "0.4", "channels": [
+                {"label": f"class {c}", "color": h, "active": True, "window": {"min": 0, "max": 1, "start": 0, "end": 1}}
+                for c, h in zip(classes, hexes)]}})
 
     @property
     def array(self):
