@@ -101,7 +101,7 @@ def _chunks_near(rows: slice, cols: slice, halo: int) -> set[str]:
     return {f"c/{i}/{j}" for i, j in itertools.product(r, c)}
 
 
-def test_training_reads_and_featurises_only_the_labelled_tiles(big, tmp_path):
+def test_training_reads_and_featurises_only_around_the_labels(big, tmp_path):
     folder, image, _, seg, _, _ = big
     arr = zarr.create_array(str(tmp_path / "a.zarr"), shape=image.shape, chunks=(CHUNK, CHUNK), dtype=image.dtype)
     arr[:] = image
@@ -112,10 +112,10 @@ def test_training_reads_and_featurises_only_the_labelled_tiles(big, tmp_path):
     store = CountingStore(LocalStore(str(tmp_path / "a.zarr"), read_only=True))
     lazy = TrainableSegmenter(**FAST, tile=TILE, intensity_range=seg.intensity_range)
     lazy.fit([open_image(zarr.open_array(store=store, mode="r"))], [labels])
-    halo = lazy.halo
-    expected = _chunks_near(slice(0, 256), slice(0, 256), halo) | _chunks_near(slice(768, 1024), slice(768, 1024),
-                                                                                halo)
-    assert set(store.keys) == expected and len(expected) == 18  # of 64 chunks
+    halo = lazy.halo  # the labels' boxes grown by the halo (their tiles with theirs would be 18 chunks)
+    expected = _chunks_near(slice(10, 200), slice(20, 236), halo) | _chunks_near(slice(800, 999), slice(900, 1018),
+                                                                                  halo)
+    assert set(store.keys) == expected and len(expected) == 15  # of 64 chunks
     whole = TrainableSegmenter(**FAST, tile=TILE, intensity_range=seg.intensity_range).fit([image], [labels])
     probe = image[:300, :300]
     np.testing.assert_array_equal(lazy.predict_proba([probe])[0], whole.predict_proba([probe])[0])
@@ -261,3 +261,55 @@ def test_fit_on_the_segmenters_own_sources_equals_fit_on_the_images(big):
 
     with pytest.raises(ValueError, match="made by source"):
         own.fit([ArraySource(sources[0].pixels)], [labels])
+
+
+def test_labelled_boxes_hold_every_labelled_pixel_once():
+    from alibi_vit.trainable.tiles import labelled_boxes
+
+    selected = np.zeros((300, 400), bool)
+    selected[10:14, 20:120] = True  # a stroke
+    selected[30:34, 20:120] = True  # another 16 px below it: the same box
+    selected[250:290, 350:352] = True  # far away: a box of its own
+    boxes = labelled_boxes(selected, gap=32)
+    assert len(boxes) == 2
+    owned = np.zeros(selected.shape, np.int64)
+    for box, mine in boxes:
+        assert mine.shape == selected[box].shape and not (mine & ~selected[box]).any()
+        owned[box] += mine
+    np.testing.assert_array_equal(owned, selected.astype(np.int64))
+    assert boxes[0][0] == (slice(10, 34), slice(20, 120)) and boxes[1][0] == (slice(250, 290), slice(350, 352))
+
+
+def test_sparse_strokes_are_featurised_in_boxes_with_the_whole_tiles_result(big, monkeypatch):
+    """Training featurises boxes around the strokes (each with the halo) instead of their whole tiles: a
+    fraction of the pixels, and the same classifier as fitted on whole tiles (a cache holding every tile, as
+    after a prediction, is read instead of computing boxes); boxes are not cached."""
+    _, image, _, seg, _, _ = big
+    truth = synthetic_micrograph(SIZE, seed=5)[1]
+    labels = np.zeros_like(truth)
+    labels[100:104, 50:400] = truth[100:104, 50:400]
+    labels[600:900, 700:703] = truth[600:900, 700:703]
+    labels[300:303, 300:330] = 1
+    labels[950:953, 900:1000] = 2
+    featurised = []
+    real = TrainableSegmenter._classical_tile
+
+    def counting(self, src, tile, cached=True):  # what is computed, not read from the cache
+        if not (cached and self.cache is not None and self._classical_key(src, tile) in self.cache):
+            featurised.append(int(np.prod([s.stop - s.start for s in tile.outer])))
+        return real(self, src, tile, cached)
+
+    monkeypatch.setattr(TrainableSegmenter, "_classical_tile", counting)
+    cache = FeatureCache()
+    boxed = TrainableSegmenter(**FAST, tile=512, intensity_range=seg.intensity_range, cache=cache)
+    boxed.fit([image], [labels])
+    grid = boxed.tile_grid(boxed.source(image))
+    labelled_tiles = sum(int(np.prod([s.stop - s.start for s in t.outer])) for t in grid if labels[t.core].any())
+    assert sum(featurised) < 0.5 * labelled_tiles and len(cache) == 0
+    whole = TrainableSegmenter(**FAST, tile=512, intensity_range=seg.intensity_range, cache=FeatureCache())
+    whole.precompute(image)
+    featurised[:] = []
+    whole.fit([image], [labels])
+    assert featurised == []  # every labelled tile read from the cache
+    probe = image[200:700, 200:700]
+    np.testing.assert_array_equal(boxed.predict_proba([probe])[0], whole.predict_proba([probe])[0])

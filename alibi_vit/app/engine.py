@@ -785,9 +785,7 @@ class Engine:
                 shutil.rmtree(private, ignore_errors=True)
 
     def _save_image(self, image_id: str, what, seg, rows: list, job: Job) -> None:
-        from PIL import Image
-
-        from ..trainable.io import area_fractions, overlay, write_fractions_csv, write_mask
+        from ..trainable.io import area_fractions, overlay, write_fractions_csv, write_mask, write_overlay
 
         entry = self.session.entry(image_id)
         image = self.session.read(image_id)
@@ -799,9 +797,8 @@ class Engine:
             if "masks" in what:
                 write_mask(self.out / "masks" / f"{image_id}_mask.png", mask, k=int(seg.classes_.max()))
             if "overlays" in what:
-                rgb = overlay(seg.scale(image), mask, colours=self.colours())
-                (self.out / "overlays").mkdir(parents=True, exist_ok=True)
-                Image.fromarray(rgb).save(self.out / "overlays" / f"{image_id}_overlay.png")
+                write_overlay(self.out / "overlays" / f"{image_id}_overlay.png",
+                              overlay(seg.scale(image), mask, colours=self.colours()))
         if "fractions" in what:
             rows.append((entry.name, counts))
             names = {c["value"]: c["name"] for c in self.session.classes}

@@ -189,7 +189,7 @@ def read_stack(path) -> list | None:
 def _segment_whole(seg, job: ImageJob) -> list:
     """Segment an image read whole (or a TIFF stack, slice by slice) and write its files; its CSV rows."""
     from ..images import read_array, scale_colour
-    from .io import area_fractions, overlay, write_mask, write_proba
+    from .io import area_fractions, overlay, write_mask, write_overlay, write_proba
 
     path, dest, k = Path(job.path), Path(job.staged), int(seg.classes_.max())
     stack = read_stack(path)
@@ -213,12 +213,10 @@ def _segment_whole(seg, job: ImageJob) -> list:
         with _writing(dest / f"{job.stem}_proba_*.tif"):
             write_proba(dest, job.stem, probas[0], seg.classes_)
     if job.overlays:
-        from PIL import Image
-
         # Colour images are shown in their own colours (by dtype), grayscale as the model scaled it.
         shown = scale_colour(arrays[0], "auto", str(path)) if scaled[0].ndim == 3 else scaled[0]
         with _writing(dest / f"{job.stem}_overlay.png"):
-            Image.fromarray(overlay(shown, masks[0], 0.4, k)).save(dest / f"{job.stem}_overlay.png")
+            write_overlay(dest / f"{job.stem}_overlay.png", overlay(shown, masks[0], 0.4, k))
     return rows
 
 

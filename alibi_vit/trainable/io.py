@@ -14,9 +14,14 @@ from ..images import check_intensity, load_grayscale
 
 __all__ = ["IMAGE_SUFFIXES", "area_fractions", "as_grayscale", "as_label_image", "list_image_files", "overlay",
            "read_array", "read_grayscale", "read_labels", "read_slices", "to_unit_float", "write_colour_key",
-           "write_fractions_csv", "write_mask", "write_proba"]
+           "write_fractions_csv", "write_mask", "write_overlay", "write_proba"]
 
 IMAGE_SUFFIXES = (".png", ".tif", ".tiff", ".btf", ".jpg", ".jpeg", ".bmp")
+# zlib levels of the PNGs written: above level 1 an overlay (photo-like) compresses no better and takes four
+# times longer (4096² RGB: 1.5 s and 24.7 MB at level 1, 6.1 s and 28.9 MB at Pillow's default 6); a mask's few
+# values still gain a little from level 3 (0.25 s, 1.6 MB, against 0.64 s and 1.3 MB at 6).
+OVERLAY_PNG_LEVEL = 1
+MASK_PNG_LEVEL = 3
 
 
 def as_grayscale(image, source: str = "image") -> np.ndarray:
@@ -251,7 +256,17 @@ def write_mask(path, mask: np.ndarray, k: int | None = None) -> Path:
             img.putpalette(palette(int(mask.max()) if k is None else int(k))[:256].ravel().tolist())
         else:
             img = Image.fromarray(mask.astype(dtype))
-        img.save(path)
+        img.save(path, compress_level=MASK_PNG_LEVEL)
+    return path
+
+
+def write_overlay(path, rgb: np.ndarray) -> Path:
+    """An (H, W, 3) uint8 overlay (:func:`overlay`) as a PNG, quickly (:data:`OVERLAY_PNG_LEVEL`)."""
+    from PIL import Image
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(rgb).save(path, compress_level=OVERLAY_PNG_LEVEL)
     return path
 
 

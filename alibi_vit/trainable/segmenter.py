@@ -13,7 +13,8 @@ cores of ``tile`` px) and each tile's features are computed on the core plus a h
 :func:`~alibi_vit.trainable.classical.halo` px (the filter bank's reach), so they equal the whole
 image's exactly; ViT features come from a fixed grid of backbone windows in image coordinates
 (:func:`~alibi_vit.trainable.vit.patch_map`), so they too equal the whole image's. Training reads
-and featurises only the tiles that hold labels; prediction runs tile by tile
+only the tiles that hold labels, and featurises only boxes around the labels in them (classical features
+without a cache: strokes are sparse); prediction runs tile by tile
 (:meth:`TrainableSegmenter.predict_tiles`, and :mod:`~alibi_vit.trainable.stream`, which writes
 results as it goes). Memory depends on the tile size and the number of features, not the image's size.
 """
@@ -40,7 +41,7 @@ from ..images import INTENSITY_MODES, fit_intensity_range, scale_colour, scale_t
 from .cache import FeatureCache
 from .io import as_grayscale, to_unit_float
 from .sources import ArraySource, ChunkedSource, chunked_range, label_region, labels_shape
-from .tiles import Tile, TileGrid
+from .tiles import Tile, TileGrid, labelled_boxes
 
 if TYPE_CHECKING:  # torch is imported where a backbone needs it
     import torch.nn as nn
@@ -60,6 +61,7 @@ DEFAULT_CRF = False  # the CRF setting of a segmenter made without one
 CRF_OVERLAP = 128  # px of context on each side of a CRF tile
 CHANNEL_NAMES = ("r", "g", "b")
 PATCH_ALIGN = 14  # tile sizes are multiples of DINOv2's patch, so a tile's patch range is whole patches
+STROKE_GAP = 64  # labelled pixels closer than this share one featurised box (about a halo: two boxes cost more)
 VIT_WINDOW_BYTES = 256 << 20  # without a cache: backbone windows kept for the neighbouring tiles of one call
 DEFAULT_FILTERS = "compact"  # chosen on the labelled micrograph set's training split (docs/segmentation.md)
 
@@ -80,6 +82,10 @@ def default_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _area(region) -> int:
+    return int(np.prod([s.stop - s.start for s in region], dtype=np.int64))
 
 
 def _round_up(n: int, m: int) -> int:
@@ -452,9 +458,13 @@ class TrainableSegmenter:
         cache = self.cache if self.cache is not None else self._scratch
         return compute() if cache is None else cache.get(key, compute)
 
-    def _classical_tile(self, src, tile: Tile) -> np.ndarray:
+    def _classical_key(self, src, tile: Tile) -> str:
+        bounds = [(s.start, s.stop) for s in tile.outer + tile.core]
+        return f"classical|{src.key}|{self.filters}|{self.sigmas}|{self.sigma_scale}|{self.classical_torch}|{bounds}"
+
+    def _classical_tile(self, src, tile: Tile, cached: bool = True) -> np.ndarray:
         """(h, w, F) classical features of a tile's core, computed on it plus its halo (through the
-        cache when there is one, keyed by the image, the tile and the filter settings).
+        cache when there is one and ``cached``, keyed by the image, the tile and the filter settings).
 
         Pixel-major and contiguous, so a tile's rows go to the classifier without a transpose (for a
         1024² tile that copy cost more than the prediction itself)."""
@@ -473,11 +483,9 @@ class TrainableSegmenter:
                     planes += classical_planes(np.ascontiguousarray(ch), self.sigmas, **kwargs)
             return pixel_major(planes, *inner)
 
-        if self.cache is None:  # the scratch cache holds ViT windows only: a tile's features are used once
+        if self.cache is None or not cached:  # the scratch cache holds ViT windows only: used once
             return compute()
-        bounds = [(s.start, s.stop) for s in tile.outer + tile.core]
-        key = f"classical|{src.key}|{self.filters}|{self.sigmas}|{self.sigma_scale}|{self.classical_torch}|{bounds}"
-        return self.cache.get(key, compute)
+        return self.cache.get(self._classical_key(src, tile), compute)
 
     def _patch_map(self, src, rows: slice, cols: slice) -> np.ndarray:
         """(C, rows, cols) raw backbone patch features of a patch range (the windows through the cache)."""
@@ -588,7 +596,8 @@ class TrainableSegmenter:
 
     # ---- training -------------------------------------------------------------------------
     def fit(self, images, labels) -> "TrainableSegmenter":
-        """Train on the labelled pixels of ``images``; only the tiles that hold labels are read and featurised.
+        """Train on the labelled pixels of ``images``; only the tiles that hold labels are read, and only boxes
+        around the labels featurised (:meth:`_labelled_rows`).
 
         images: a list of images (arrays, or :class:`~alibi_vit.chunked.ChunkedImage` for images too
             large for memory), or one (H, W) or (H, W, 3) array; a 3D stack is an error. With a fixed
@@ -705,8 +714,26 @@ class TrainableSegmenter:
         """Saved state beyond the constructor's arguments (none for 2D images)."""
 
     def _labelled_rows(self, src, tile: Tile, sel: np.ndarray) -> np.ndarray:
-        """(m, F) features of the voxels ``sel`` (a mask over the tile's core) marks, in C order."""
-        return self._tile_features(src, tile)[sel]
+        """(m, F) features of the pixels ``sel`` (a mask over the tile's core) marks, in C order.
+
+        Scribbles are sparse: the pixels are featurised in boxes around them (:func:`labelled_boxes`), each with
+        the tile's halo, which gives the whole tile's values (the halo is the filters' reach) at a fraction of
+        the cost, unless the boxes cover as much or the cache holds the whole tile already (a prediction put it
+        there). Boxes are not cached: the next stroke changes them. ViT windows and user functions work per tile."""
+        whole = (self.vit is not None or self._feature_fn is not None
+                 or (self.cache is not None and self._classical_key(src, tile) in self.cache))
+        boxes = [] if whole else labelled_boxes(sel, STROKE_GAP)
+        parts = [tile.part(box, (self.halo,) * 2, src.shape) for box, _ in boxes]
+        if not parts or sum(_area(p.outer) for p in parts) >= _area(tile.outer):
+            return self._tile_features(src, tile)[sel]
+        row_of = (np.cumsum(sel, dtype=np.int64) - 1).reshape(sel.shape)  # each selected pixel's row, in C order
+        rows = None
+        for (box, owned), part in zip(boxes, parts):
+            feats = self._classical_tile(src, part, cached=False)[owned]
+            if rows is None:
+                rows = np.empty((int(sel.sum()), feats.shape[-1]), feats.dtype)
+            rows[row_of[box][owned]] = feats
+        return rows
 
     # ---- prediction -----------------------------------------------------------------------
     def _check_fitted(self):

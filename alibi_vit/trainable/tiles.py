@@ -17,7 +17,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-__all__ = ["Tile", "TileGrid"]
+import numpy as np
+
+__all__ = ["Tile", "TileGrid", "labelled_boxes"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,13 @@ class Tile:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(c.stop - c.start for c in self.core)
+
+    def part(self, box, halos, shape) -> "Tile":
+        """The tile of a part of this core: ``box`` (slices relative to the core) grown by ``halos`` (one per
+        axis), clipped to the array of ``shape``; same index."""
+        core = tuple(slice(c.start + b.start, c.start + b.stop) for c, b in zip(self.core, box))
+        outer = tuple(slice(max(c.start - h, 0), min(c.stop + h, n)) for c, h, n in zip(core, halos, shape))
+        return Tile(self.index, core, outer)
 
     def intersects(self, region) -> bool:
         """Whether the core overlaps ``region`` (slices with explicit bounds)."""
@@ -90,3 +99,15 @@ class TileGrid:
         early = self.covering(first)
         seen = {t.index for t in early}
         return early + [t for t in self if t.index not in seen]
+
+
+def labelled_boxes(selected: np.ndarray, gap: int) -> list[tuple[tuple[slice, ...], np.ndarray]]:
+    """Boxes that together hold every True pixel of ``selected``, pixels less than ``gap`` px apart sharing one:
+    ``(box, owned)`` with ``owned`` the pixels of ``box`` that it holds (each True pixel in exactly one box).
+    Sparse scribbles are then featurised box by box rather than over the whole tile."""
+    from scipy import ndimage
+
+    grown = ndimage.maximum_filter(selected.view(np.uint8), size=2 * gap + 1) > 0 if gap else selected
+    groups, _ = ndimage.label(grown)
+    groups *= selected
+    return [(box, groups[box] == k) for k, box in enumerate(ndimage.find_objects(groups), start=1) if box is not None]
