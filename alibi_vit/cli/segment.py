@@ -364,17 +364,13 @@ def _volume_pairs(args):
 
 def _train(args) -> int:
     from ..images import read_array
-    from ..trainable import TrainableSegmenter, read_labels
+    from ..trainable import read_labels
     from ..trainable.io import as_label_image
 
     if args.backbone is None and args.checkpoint:
         raise ValueError("--checkpoint needs --backbone NAME")
     features = _feature_modes(args)
-    backbone_kwargs = {}
-    if args.backbone is not None:
-        checkpoints = _check_backbone_weights(args, [args.backbone])
-        backbone_kwargs = dict(checkpoint=checkpoints.get(args.backbone), model_kwargs=parse_model_args(args.model_arg),
-                               pretrained=args.pretrained and args.backbone not in checkpoints)
+    backbone = backbone_kwargs(args)  # the weights checked before any image is read
     pairs = _volume_pairs(args) if args.slice_folders else _image_label_pairs(args.images, args.labels)
     check_folder_path(args.out)
     volumes = [_is_volume_input(img, args.slice_folders) for img, _ in pairs]
@@ -386,7 +382,7 @@ def _train(args) -> int:
         if not all(volumes):
             flat = next(img for (img, _), v in zip(pairs, volumes) if not v)
             raise ValueError(f"--features 3d trains on volumes, but {flat} is a 2D image")
-        return _train_volumes(args, pairs, backbone_kwargs)
+        return _train_volumes(args, pairs, backbone)
     if args.spacing is not None:
         raise ValueError("--spacing is for volumes on 3D features; these images are trained on 2D features")
     images, labels = [], []
@@ -408,11 +404,7 @@ def _train(args) -> int:
         for z, (image, label) in enumerate(zip(stack, label_stack)):  # slice by slice
             images.append(image)
             labels.append(as_label_image(label, image.shape[:2], source=f"labels {lab} slice {z}"))
-    seg = TrainableSegmenter(args.backbone, args.classifier, args.crf or False, n_components=args.components,
-                             classifier_params=_classifier_params(args),
-                             intensity=args.intensity, device=args.device, seed=args.seed, progress=True,
-                             filters=args.filters,
-                             colour=args.colour, feature_fn=args.feature_fn, modal=args.modal, **backbone_kwargs)
+    seg = segmenter_from_args(args, False, backbone, progress=True)
     seg.fit(images, labels)
     seg.save(args.out)
     if seg.intensity_note:
@@ -430,10 +422,34 @@ def _slices(path: Path):
     return read_stack(path)
 
 
-def _train_volumes(args, pairs, backbone_kwargs) -> int:
+def backbone_kwargs(args) -> dict:
+    """The segmenter's backbone arguments from ``segment train``'s options (checkpoint, model arguments,
+    pretrained), its weights checked; empty without ``--backbone``."""
+    if args.backbone is None:
+        return {}
+    checkpoints = _check_backbone_weights(args, [args.backbone])
+    return dict(checkpoint=checkpoints.get(args.backbone), model_kwargs=parse_model_args(args.model_arg),
+                pretrained=args.pretrained and args.backbone not in checkpoints)
+
+
+def segmenter_from_args(args, volume: bool, backbone: dict, **runtime):
+    """The segmenter ``segment train`` trains from its parsed options: a VolumeSegmenter on 3D features for
+    volumes, else a TrainableSegmenter; ``backbone``: :func:`backbone_kwargs`; ``runtime``: arguments that
+    change no result (progress, cache) or where it runs (device)."""
+    from ..trainable import TrainableSegmenter, VolumeSegmenter
+
+    common = dict(n_components=args.components, classifier_params=_classifier_params(args), intensity=args.intensity,
+                  device=args.device, seed=args.seed, feature_fn=args.feature_fn, modal=args.modal, **backbone)
+    common.update(runtime)
+    if volume:
+        return VolumeSegmenter(args.backbone, args.classifier, spacing=args.spacing, **common)
+    return TrainableSegmenter(args.backbone, args.classifier, args.crf or False, filters=args.filters,
+                              colour=args.colour, **common)
+
+
+def _train_volumes(args, pairs, backbone) -> int:
     """segment train on volumes: a VolumeSegmenter on 3D features, the volumes and labels read lazily."""
     from ..chunked import open_volume
-    from ..trainable import VolumeSegmenter
 
     if args.crf:
         raise ValueError("--crf (the dense CRF) is for 2D images; for volumes use --modal N (a 3D majority filter)")
@@ -441,10 +457,7 @@ def _train_volumes(args, pairs, backbone_kwargs) -> int:
         print(f"note: --filters {args.filters} is a 2D filter set; volumes take the 3D filter bank", file=sys.stderr)
     images = [open_volume(img) for img, _ in tqdm(pairs, desc="open", disable=len(pairs) < 2)]
     labels = [open_volume(lab) for _, lab in pairs]
-    seg = VolumeSegmenter(args.backbone, args.classifier, n_components=args.components,
-                          classifier_params=_classifier_params(args), intensity=args.intensity, device=args.device,
-                          seed=args.seed, progress=True, spacing=args.spacing, feature_fn=args.feature_fn,
-                          modal=args.modal, **backbone_kwargs)
+    seg = segmenter_from_args(args, True, backbone, progress=True)
     seg.fit(images, labels)
     seg.save(args.out)
     if seg.intensity_note:
