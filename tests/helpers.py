@@ -192,3 +192,20 @@ def finished_job(client, started, timeout: float = 60) -> dict:
         time.sleep(0.05)
         job = client.get(f"/api/jobs/{job['job']}").json()
     return job
+
+
+# A script for ``python -c``: run the CLI in that process with its arguments, then say whether torch was
+# imported on the way (what a fresh process costs a user).
+TORCH_PROBE = ("import sys\nfrom alibi_vit.cli.main import main\ntry:\n    code = main(sys.argv[1:])\n"
+               "except SystemExit as stop:\n    code = stop.code\nprint('torch imported' if 'torch' in sys.modules "
+               "else 'torch not imported')\nsys.exit(code)\n")
+
+
+def run_in_fresh_process(args, cwd, script: str = TORCH_PROBE, timeout: float = 120):
+    """``python -c script args`` in ``cwd`` with this checkout first on the path; the completed process."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", script, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)

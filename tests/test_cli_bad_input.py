@@ -5,9 +5,6 @@ imported torch (what took 6-10 s), and mistakes that need a model (its patch gri
 patch feature is computed (``patch_features`` is replaced by a function that fails the test).
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,22 +12,10 @@ import pytest
 from PIL import Image
 
 from alibi_vit.cli.main import main
-from tests.helpers import TINY
+from tests.helpers import TINY, run_in_fresh_process
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY_ARGS = [arg for key, value in TINY.items() for arg in ("--model-arg", f"{key}={value}")]
 NAME = "alibi_vit_small_patch14_reg4_dinov2"
-
-# A small script: run the command in this process, then say whether torch was imported on the way.
-_PROBE = ("import sys\nfrom alibi_vit.cli.main import main\ntry:\n    code = main(sys.argv[1:])\n"
-          "except SystemExit as stop:\n    code = stop.code\nprint('torch imported' if 'torch' in sys.modules "
-          "else 'torch not imported')\nsys.exit(code)\n")
-
-
-def _fresh_process(args, cwd):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", _PROBE, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -48,7 +33,7 @@ def _fresh_process(args, cwd):
 ])
 def test_argument_mistakes_are_one_line_before_torch_is_imported(tmp_path, args, message):
     (tmp_path / "a_file").write_text("")
-    result = _fresh_process(args, tmp_path)
+    result = run_in_fresh_process(args, tmp_path)
     assert result.returncode == 2, result.stderr
     err = result.stderr.strip()
     assert "\n" not in err and err.startswith("alibi-vit ") and message in err, err
@@ -64,8 +49,8 @@ def test_export_into_a_folder_that_cannot_be_written_is_one_line(tmp_path):
         Path("/sys/alibi-vit-test").rmdir()
         pytest.skip("/sys is writable here")
     (tmp_path / "run.ckpt").write_bytes(b"")
-    result = _fresh_process(["export", "--checkpoint", "run.ckpt", "--out", "/sys/alibi-vit-test/x.safetensors"],
-                            tmp_path)
+    result = run_in_fresh_process(["export", "--checkpoint", "run.ckpt", "--out", "/sys/alibi-vit-test/x.safetensors"],
+                                  tmp_path)
     assert result.returncode == 2 and "--out: cannot write in /sys/alibi-vit-test" in result.stderr.strip()
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,17 +15,7 @@ from PIL import Image
 from test_measure_chunks import smooth_phases
 
 from alibi_vit.cli.main import main
-
-ROOT = Path(__file__).resolve().parents[1]
-_PROBE = ("import sys\nfrom alibi_vit.cli.main import main\ntry:\n    code = main(sys.argv[1:])\n"
-          "except SystemExit as stop:\n    code = stop.code\nprint('torch imported' if 'torch' in sys.modules "
-          "else 'torch not imported')\nsys.exit(code)\n")
-
-
-def _fresh(args, cwd):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", _PROBE, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120)
+from tests.helpers import run_in_fresh_process
 
 
 def _rows(path: Path) -> list[dict]:
@@ -136,7 +124,7 @@ def _bad_inputs(folder: Path) -> None:
 ])
 def test_bad_input_is_one_line_without_traceback(tmp_path, args, message):
     _bad_inputs(tmp_path)
-    result = _fresh(["segment", "measure", *args, "--out", "o", "--quiet"], tmp_path)
+    result = run_in_fresh_process(["segment", "measure", *args, "--out", "o", "--quiet"], tmp_path)
     err = result.stderr.strip()
     assert result.returncode == 2 and "\n" not in err and "Traceback" not in err, err
     assert err.startswith("alibi-vit segment") and message in err, err
@@ -144,11 +132,11 @@ def test_bad_input_is_one_line_without_traceback(tmp_path, args, message):
 
 
 def test_help_and_default_metrics_never_import_torch(tmp_path):
-    help_text = _fresh(["segment", "measure", "--help"], tmp_path)
+    help_text = run_in_fresh_process(["segment", "measure", "--help"], tmp_path)
     assert help_text.returncode == 0 and "--probabilities" in help_text.stdout
     assert help_text.stdout.strip().splitlines()[-1] == "torch not imported"
     Image.fromarray(smooth_phases((64, 64), seed=16, phases=2)).save(tmp_path / "m.png")
-    run = _fresh(["segment", "measure", "m.png", "--out", "o", "--quiet", "--no-plots"], tmp_path)
+    run = run_in_fresh_process(["segment", "measure", "m.png", "--out", "o", "--quiet", "--no-plots"], tmp_path)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().splitlines()[-1] == "torch not imported"
 

@@ -2,7 +2,6 @@
 the features are computed: checked in fresh processes, where imports are what they cost a user."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,8 +10,8 @@ import pytest
 from PIL import Image
 
 from alibi_vit.trainable.segmenter import default_device
+from tests.helpers import run_in_fresh_process
 
-ROOT = Path(__file__).resolve().parents[1]
 NO_GPU_DRIVER = sys.platform.startswith("linux") and not any(
     os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/kfd", "/dev/dxg"))
 needs_no_gpu_driver = pytest.mark.skipif(not NO_GPU_DRIVER, reason="with a GPU driver, torch is asked for the device")
@@ -21,12 +20,6 @@ needs_no_gpu_driver = pytest.mark.skipif(not NO_GPU_DRIVER, reason="with a GPU d
 _PROBE = ("import sys\nfrom alibi_vit.cli.main import main\ntry:\n    code = main(sys.argv[1:])\n"
           "except SystemExit as stop:\n    code = stop.code\n"
           "print(sorted({'torch', 'timm', 'xgboost', 'zarr'} & set(sys.modules)))\nsys.exit(code)\n")
-
-
-def _fresh(args, cwd, script=_PROBE):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", script, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
 
 
 def _image_and_labels(folder: Path):
@@ -53,10 +46,12 @@ def test_default_device_agrees_with_torch():
 def test_segment_train_and_apply_never_import_torch(tmp_path):
     """Nor zarr, for a TIFF that is not tiled (read by memory map)."""
     _image_and_labels(tmp_path)
-    train = _fresh(["segment", "train", "--images", "images", "--labels", "labels", "--out", "model"], tmp_path)
+    train = run_in_fresh_process(["segment", "train", "--images", "images", "--labels", "labels", "--out", "model"],
+                                 tmp_path, _PROBE, timeout=300)
     assert train.returncode == 0, train.stderr
     assert train.stdout.strip().splitlines()[-1] == "['xgboost']"
-    apply = _fresh(["segment", "apply", "--model", "model", "--images", "tiffs", "--out", "out"], tmp_path)
+    apply = run_in_fresh_process(["segment", "apply", "--model", "model", "--images", "tiffs", "--out", "out"],
+                                 tmp_path, _PROBE, timeout=300)
     assert apply.returncode == 0, apply.stderr
     assert apply.stdout.strip().splitlines()[-1] == "['xgboost']"
     mask = np.asarray(Image.open(tmp_path / "out" / "a_mask.png"))
@@ -75,6 +70,6 @@ def test_api_fit_predict_never_imports_torch_and_loads_xgboost_in_a_thread(tmp_p
               "mask = TrainableSegmenter().fit([image], [labels]).predict([image])[0]\n"
               "print(sorted({'torch', 'timm'} & set(sys.modules)), 'alibi-vit-import-xgboost' in names, "
               "int((mask[:, :28] == 1).all() and (mask[:, 36:] == 2).all()))\n")
-    result = _fresh([], tmp_path, script)
+    result = run_in_fresh_process([], tmp_path, script, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[] True 1"
