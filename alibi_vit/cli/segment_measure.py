@@ -73,20 +73,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "and the instance labels run in this process"))
 
 
-def _is_probability(path: Path) -> bool:
-    from ..measure.masks import _stem
-
-    return "_proba_" in path.name or _stem(path).endswith("_proba")
-
-
 def _probability_files(items) -> list[Path]:
     from ..chunked import is_zarr_path
-    from ..measure.masks import MeasureError
+    from ..measure.masks import MeasureError, is_probability_map
 
     files = []
     for item in map(Path, items or []):
         if item.is_dir() and not is_zarr_path(item):
-            files += sorted(p for p in item.iterdir() if _is_probability(p))
+            files += sorted(p for p in item.iterdir() if is_probability_map(p))
         elif item.exists():
             files.append(item)
         else:
@@ -123,7 +117,7 @@ def measure_folder(folder: Path, spacing=None, executor=None) -> int:
     """``segment apply --measure``: the masks (and probability maps) below ``folder`` measured with the default
     metrics into ``folder/measure``; ``executor``: apply's open scheduler (None: this process)."""
     from ..chunked import is_zarr_path
-    from ..measure.masks import MASK_SUFFIXES, _stem
+    from ..measure.masks import MASK_SUFFIXES, _stem, is_probability_map
 
     folder = Path(folder)
     found = [p for p in sorted(folder.rglob("*_mask*")) if "measure" not in p.relative_to(folder).parts[:1]
@@ -131,7 +125,7 @@ def measure_folder(folder: Path, spacing=None, executor=None) -> int:
     if not found:
         print(f"alibi-vit segment: warning: no masks to measure in {folder}", file=sys.stderr)
         return 0
-    probabilities = [str(p) for p in sorted(folder.rglob("*_proba*")) if _is_probability(p)
+    probabilities = [str(p) for p in sorted(folder.rglob("*_proba*")) if is_probability_map(p)
                      and (is_zarr_path(p) or p.suffix.lower() in (".tif", ".tiff"))]
     parser = argparse.ArgumentParser()
     add_arguments(parser)

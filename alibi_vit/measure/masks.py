@@ -21,6 +21,7 @@ __all__ = [
     "MeasureError",
     "array_source",
     "find_masks",
+    "is_probability_map",
     "open_intensity",
     "open_mask",
     "open_probabilities",
@@ -215,6 +216,13 @@ def open_probabilities(paths: list[Path], mask: MaskSource) -> dict[int, MaskSou
     return maps
 
 
+def is_probability_map(path) -> bool:
+    """Whether ``path`` is named as ``segment apply --proba`` names probabilities: ``<name>_proba_<class>.*`` or
+    ``<name>_proba.ome.zarr``."""
+    path = Path(path)
+    return "_proba_" in path.name or _stem(path).endswith("_proba")
+
+
 def _probability_channels(path: Path):
     """``(class value, reader, shape, dtype, chunks)`` of each class a probability file holds."""
     match = re.search(r"_proba(?:_(\d+))?$", _stem(path))
@@ -282,8 +290,7 @@ def find_masks(items) -> list[Path]:
             continue
         inside = sorted(p for p in item.iterdir()
                         if (p.is_file() and p.suffix.lower() in MASK_SUFFIXES) or is_zarr_path(p))
-        inside = [p for p in inside if "_proba_" not in p.name and not _stem(p).endswith("_proba")
-                  and "_objects" not in p.name]
+        inside = [p for p in inside if not is_probability_map(p) and "_objects" not in p.name]
         masks = [p for p in inside if _stem(p).endswith("_mask")]
         if not (masks or inside):
             raise MeasureError(f"{item}: holds no mask (PNG, TIFF, BMP or zarr)")
