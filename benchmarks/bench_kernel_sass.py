@@ -188,22 +188,6 @@ def launch_configs(kind, head_dim, table, slopes, atomic_dq=False):
     return at.gpu_launch_configs(_KERNEL_OF[kind], head_dim, table, atomic_dq=atomic_dq, learned=slopes == "learned")
 
 
-def compile_sm90(fn, args, kwargs):
-    """Compile a ``@triton.jit`` function for sm_90 as a launch with these arguments would, without a GPU."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
-
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    # The JIT's own binder: the same type, alignment and ==1 specialisations as a real launch.
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-
-
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.+?)\s*;")
 _BRANCH = re.compile(r"\bBRA\b.*?(0x[0-9a-f]+)")
 _ADVISORY = re.compile(r"\b(C\d{4})\b")
@@ -296,6 +280,8 @@ def ctas_per_sm(registers: int, num_warps: int, shared: int) -> int:
 def analyse(kind, variant, head_dim, dtype_name, cfg, default, bias_mode, workdir, slopes="constant",
             atomic_dq=False):
     import torch
+
+    from kernels.compile_sm90 import compile_sm90
 
     fn, args, kw = _sample_call(kind, head_dim, getattr(torch, dtype_name), bias_mode == "table", slopes, atomic_dq)
     kw = {**kw, **cfg.kwargs, "HAS_BIAS": variant == "alibi", "num_warps": cfg.num_warps,

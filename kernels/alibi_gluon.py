@@ -97,6 +97,7 @@ import math
 import torch
 
 from .alibi_bias import CODE_PAD, check_attention_inputs, check_metric, device_bias_lookup
+from .compile_sm90 import compile_sm90
 
 __all__ = ["BWD_SUPPORTED_HEAD_DIMS", "CONSUMER_FORMS", "GLUON_ERROR", "GluonAlibiAttention", "SUPPORTED_DTYPES",
            "SUPPORTED_HEAD_DIMS", "bwd_launch_config", "compile_bwd_for_sm90", "compile_for_sm90", "gluon_alibi_attention",
@@ -921,23 +922,7 @@ def compile_for_sm90(head_dim=64, dtype=torch.bfloat16, *, per_head=False, has_b
         kw["BLOCK_N"] = block_n
         args = (*args[:1], _descriptor(_row_view(k)[0], block_n, head_dim), _descriptor(_row_view(v)[0], block_n,
                                                                                          head_dim), *args[3:])
-    return _compile_sm90(_gluon_alibi_fwd_kernel, args, kw), kw
-
-
-def _compile_sm90(fn, args, kw):
-    """Triton's compiled kernel of ``fn`` for sm_90a, bound to ``args``/``kw`` as a launch would (no GPU needed)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
-
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, specialization, options = binder(*args, **kw)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, specialization, options)
-    return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    return compile_sm90(_gluon_alibi_fwd_kernel, args, kw, gluon=True), kw
 
 
 def compile_bwd_for_sm90(head_dim=64, dtype=torch.bfloat16, *, per_head=False, has_bias=True, compute_dslope=False,
@@ -961,7 +946,7 @@ def compile_bwd_for_sm90(head_dim=64, dtype=torch.bfloat16, *, per_head=False, h
     slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)]) if per_head else None
     args, kw = _bwd_kernel_args(q, k, v, do, dk, dv, dq_acc, dsl, lse_pad, delta, slopes, geometry, stride,
                                 has_bias=has_bias, compute_dslope=compute_dslope, need_dq=need_dq)
-    return _compile_sm90(_gluon_alibi_bwd_kernel, args, kw), kw
+    return compile_sm90(_gluon_alibi_bwd_kernel, args, kw, gluon=True), kw
 
 
 # The codes are padded to CODE_PAD tokens; every tile this kernel loads codes for must stay inside.
