@@ -14,6 +14,9 @@ Tools, all on the very same image file and the very same stroke file:
 - ``cli``: ``alibi-vit segment train`` then ``alibi-vit segment apply`` (its defaults; two
   processes, times and CPU summed, memory the larger peak);
 - ``api``: a script calling ``TrainableSegmenter().fit([image], [labels]).predict([image])``;
+- ``api_lean`` (only with ``--tools``): the same script calling
+  ``alibi_vit.trainable.classifier.import_xgboost_without_scikit_learn()`` first, as a script may that uses
+  none of XGBoost's scikit-learn classes (the command line does it always);
 - ``skimage``: scikit-image's trainable-segmentation gallery pipeline as a script:
   ``multiscale_basic_features(img, intensity=True, edges=False, texture=True, sigma_min=1,
   sigma_max=16)`` + ``RandomForestClassifier(n_estimators=50, n_jobs=-1, max_depth=10,
@@ -42,7 +45,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import command_line, load_average, write_report  # noqa: E402
 
-TOOLS = ("cli", "api", "skimage")
+TOOLS = ("cli", "api", "api_lean", "skimage")
+DEFAULT_TOOLS = ("cli", "api", "skimage")
 IMAGES = ("texture", "uint16", "micrograph", "colour")
 MICROGRAPH = "ebc_040617_2_S127_2_0015"
 
@@ -56,6 +60,14 @@ image = tifffile.imread(sys.argv[1])
 labels = np.asarray(Image.open(sys.argv[2]))
 """
 API_SCRIPT = READ + """
+from alibi_vit.trainable.segmenter import TrainableSegmenter
+mask = TrainableSegmenter().fit([image], [labels]).predict([image])[0]
+np.save(sys.argv[3], mask)
+"""
+# The API in a script that opts in to importing XGBoost without scikit-learn (it uses no XGBoost scikit-learn class).
+API_LEAN_SCRIPT = READ + """
+from alibi_vit.trainable.classifier import import_xgboost_without_scikit_learn
+import_xgboost_without_scikit_learn()
 from alibi_vit.trainable.segmenter import TrainableSegmenter
 mask = TrainableSegmenter().fit([image], [labels]).predict([image])[0]
 np.save(sys.argv[3], mask)
@@ -206,7 +218,7 @@ def run_tool(launcher: Launcher, tool: str, case: dict, work: Path, log: Path, b
     else:
         script = work / f"{tool}_script.py"
         out.mkdir(parents=True, exist_ok=True)
-        script.write_text(API_SCRIPT if tool == "api" else SKIMAGE_SCRIPT)
+        script.write_text({"api": API_SCRIPT, "api_lean": API_LEAN_SCRIPT, "skimage": SKIMAGE_SCRIPT}[tool])
         m = launcher.run([sys.executable, str(script), case["image_file"], case["strokes_file"], str(out / "mask.npy")],
                       log, env)
         mask = np.load(out / "mask.npy")
@@ -257,6 +269,54 @@ def benchmark(cases: list[dict], tools, repeats: int, work: Path, seed: int = 0,
     return {"rows": rows}
 
 
+def accuracy(images, size: int, seeds, progress: bool = True) -> list[dict]:
+    """mIoU of the API's defaults and of scikit-image's pipeline (its forest seeded) on each image (generated with
+    seed 0) with the strokes of each seed, in this process: accuracy only, paired per stroke draw."""
+    import numpy as np
+    from skimage.feature import multiscale_basic_features
+    from sklearn.ensemble import RandomForestClassifier
+
+    from alibi_vit.trainable.benchmark import mean_iou
+    from alibi_vit.trainable.scribbles import scribbles
+    from alibi_vit.trainable.segmenter import TrainableSegmenter
+
+    rows = []
+    for kind in images:
+        image, truth = make_image(kind, size, 0)
+        feats = multiscale_basic_features(image, intensity=True, edges=False, texture=True, sigma_min=1, sigma_max=16,
+                                          channel_axis=-1 if image.ndim == 3 else None)
+        for seed in seeds:
+            labels = scribbles(truth, 5, rng=seed)
+            ours = TrainableSegmenter().fit([image], [labels]).predict([image])[0]
+            sel = labels > 0
+            forest = RandomForestClassifier(n_estimators=50, n_jobs=-1, max_depth=10, max_samples=0.05,
+                                            random_state=seed).fit(feats[sel], labels[sel])
+            theirs = forest.predict(feats.reshape(-1, feats.shape[-1])).reshape(labels.shape)
+            rows.append({"image": kind, "size": size, "seed": seed,
+                         "ours": mean_iou(ours.astype(np.int64), truth), "skimage": mean_iou(theirs.astype(np.int64), truth)})
+            if progress:
+                print(f"{kind} seed {seed}: ours {rows[-1]['ours']:.3f}, scikit-image {rows[-1]['skimage']:.3f}", flush=True)
+    return rows
+
+
+def accuracy_markdown(payload: dict) -> list[str]:
+    import numpy as np
+
+    lines = [f"# First-segmentation images: mIoU paired over stroke draws ({payload['machine']})", "",
+             f"`{payload['command']}` — {payload['date']}; each image generated once (seed 0), 5 strokes per class "
+             "drawn with each seed (`scribbles(truth, 5, rng=seed)`); scikit-image's forest seeded with the same seed.",
+             "", "| image | size | seeds | ours | scikit-image | ours − scikit-image (paired, ± s.e.) | ours ≥ |",
+             "|---|---|---|---|---|---|---|"]
+    for kind in dict.fromkeys(r["image"] for r in payload["rows"]):
+        rr = [r for r in payload["rows"] if r["image"] == kind]
+        ours, theirs = np.array([r["ours"] for r in rr]), np.array([r["skimage"] for r in rr])
+        d = ours - theirs
+        se = d.std(ddof=1) / np.sqrt(len(d)) if len(d) > 1 else float("nan")
+        lines.append(f"| {kind} | {rr[0]['size']}² | {len(rr)} | {ours.mean():.3f} | {theirs.mean():.3f} | "
+                     f"{d.mean():+.3f} ± {se:.3f} | {int((d >= 0).sum())} of {len(d)} |")
+    return lines
+
+
 def markdown(payload: dict) -> list[str]:
     lines = [f"# First segmentation in a fresh process ({payload['machine']})", "",
              f"`{payload['command']}` — {payload['date']}; median of {payload['repeats']} interleaved runs; "
@@ -272,7 +332,8 @@ def markdown(payload: dict) -> list[str]:
                      f"{r['tool']} | {m['wall_s']:.2f} | {ratio:.2f}× | {m['cpu_s']:.2f} | {m['peak_rss_mb']:.0f} | "
                      f"{m['miou']:.3f} | {min(loads):.2f}–{max(loads):.2f} |")
     lines += ["", "cli = `alibi-vit segment train` + `segment apply` (two processes); api = "
-              "`TrainableSegmenter().fit` + `predict` in one fresh process; skimage = `multiscale_basic_features"
+              "`TrainableSegmenter().fit` + `predict` in one fresh process; api_lean = the same after "
+              "`import_xgboost_without_scikit_learn()`; skimage = `multiscale_basic_features"
               "(intensity, texture, σ 1–16)` + `RandomForestClassifier(50, max_depth=10, max_samples=0.05, "
               "n_jobs=-1)`. The colour image's mIoU is against a 3-level split of its luma (no true labels)."]
     return lines
@@ -284,22 +345,37 @@ def main(argv=None):
     p.add_argument("--sizes", type=int, nargs="+", default=[1024],
                    help="sizes of the texture-only grey image (default 1024); the other images use the smallest")
     p.add_argument("--images", nargs="+", choices=IMAGES, default=list(IMAGES))
-    p.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS))
+    p.add_argument("--tools", nargs="+", choices=TOOLS, default=list(DEFAULT_TOOLS),
+                   help="api_lean: the API in a script that first calls import_xgboost_without_scikit_learn()")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0, help="seed of the generated images and the strokes")
     p.add_argument("--before", default=None, metavar="PYTHONPATH",
                    help="also run cli and api with this PYTHONPATH (tools cli_before, api_before), interleaved: "
                         "before/after figures of a change in one run")
+    p.add_argument("--accuracy-seeds", type=int, default=0, metavar="N",
+                   help="instead of timing: mIoU of the API and scikit-image's pipeline with the strokes of seeds "
+                        "0..N-1 on every image at the smallest size, paired (stem + _accuracy)")
     p.add_argument("--smoke", action="store_true", help="128² images, one run: checks the script in seconds")
     p.add_argument("--out-dir", type=Path, default=None)
     p.add_argument("--stem", default="first_segmentation_cpu")
     args = p.parse_args(argv)
     sizes, repeats = ([128], 1) if args.smoke else (sorted(args.sizes), args.repeats)
+    if args.accuracy_seeds:
+        from datetime import datetime, timezone
+
+        rows = accuracy(args.images, sizes[0], range(args.accuracy_seeds))
+        payload = {"command": command_line("bench_first_segmentation.py", argv), "machine": machine(),
+                   "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": rows}
+        md, js = write_report(args.out_dir, f"{args.stem}_accuracy", payload, accuracy_markdown(payload),
+                              smoke=args.smoke)
+        print("\n".join(accuracy_markdown(payload)))
+        print(f"wrote {md} and {js}")
+        return payload
     cases = [{"image": "texture", "size": s} for s in sizes if "texture" in args.images]
     cases += [{"image": k, "size": sizes[0]} for k in args.images if k != "texture"]
     launcher = Launcher()  # before any image exists in this process
     with tempfile.TemporaryDirectory(prefix="first_seg_") as tmp:
-        tools = [v for t in args.tools for v in ((f"{t}_before", t) if args.before and t != "skimage" else (t,))]
+        tools = [v for t in args.tools for v in ((f"{t}_before", t) if args.before and t in ("cli", "api") else (t,))]
         result = benchmark(cases, tools, repeats, Path(tmp), seed=args.seed, before=args.before,
                            launcher=launcher)
     launcher.close()

@@ -83,7 +83,7 @@ def classify(name: str, X, y, F, seed: int) -> np.ndarray:
 
     if name == HISTOGRAM_THRESHOLDS:
         clf = make_classifier("random_forest", seed=seed, n_jobs=1).fit(X, y, sample_weight=balanced_weights(y))
-        clf.set_params(n_jobs=None)
+        clf.set_threads(None)
     else:
         clf = fit_classifier("random_forest", X, y, seed=seed, params=FORESTS[name])
     return clf.predict(rows).reshape(F.shape[:2])

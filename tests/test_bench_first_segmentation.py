@@ -19,8 +19,8 @@ def test_smoke_run_has_every_tool_and_image_on_the_same_strokes(tmp_path):
                 "--stem", "fs"])
     payload = json.loads((tmp_path / "fs.json").read_text())
     rows = payload["rows"]
-    assert {(r["image"], r["tool"]) for r in rows} == {(i, t) for i in ("texture",) for t in bench.TOOLS}
-    assert (tmp_path / "fs.md").read_text().count("| texture (uint8) |") == len(bench.TOOLS)
+    assert {(r["image"], r["tool"]) for r in rows} == {(i, t) for i in ("texture",) for t in bench.DEFAULT_TOOLS}
+    assert (tmp_path / "fs.md").read_text().count("| texture (uint8) |") == len(bench.DEFAULT_TOOLS)
     for r in rows:
         assert len(r["runs"]) == payload["repeats"] == 1  # --smoke: one run whatever --repeats says
         for key in ("wall_s", "cpu_s", "peak_rss_mb", "miou"):
@@ -37,6 +37,20 @@ def test_smoke_run_has_every_tool_and_image_on_the_same_strokes(tmp_path):
         if r["tool"] == "cli":
             run = r["runs"][0]
             assert run["wall_s"] == pytest.approx(run["train_wall_s"] + run["apply_wall_s"])
+
+
+@pytest.mark.slow
+def test_accuracy_mode_pairs_the_two_pipelines_on_each_stroke_draw(tmp_path):
+    from alibi_vit.trainable.scribbles import scribbles
+
+    bench.main(["--smoke", "--images", "uint16", "--accuracy-seeds", "2", "--out-dir", str(tmp_path), "--stem", "fs"])
+    rows = json.loads((tmp_path / "fs_accuracy.json").read_text())["rows"]
+    assert [(r["image"], r["seed"]) for r in rows] == [("uint16", 0), ("uint16", 1)]
+    assert all(0 <= r["ours"] <= 1 and 0 <= r["skimage"] <= 1 for r in rows)
+    _, truth = bench.make_image("uint16", 128, 0)
+    assert not np.array_equal(scribbles(truth, 5, rng=0), scribbles(truth, 5, rng=1))  # two different draws
+    wins = sum(r["ours"] >= r["skimage"] for r in rows)
+    assert f"| {wins} of 2 |" in (tmp_path / "fs_accuracy.md").read_text()
 
 
 def test_median_is_the_middle_run():

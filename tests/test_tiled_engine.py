@@ -313,3 +313,50 @@ def test_sparse_strokes_are_featurised_in_boxes_with_the_whole_tiles_result(big,
     assert featurised == []  # every labelled tile read from the cache
     probe = image[200:700, 200:700]
     np.testing.assert_array_equal(boxed.predict_proba([probe])[0], whole.predict_proba([probe])[0])
+
+
+def test_tiles_classified_band_by_band_equal_the_whole_images_features(monkeypatch):
+    """Without a cache a tile's features are made pixel-major and classified a band of rows at a time: a colour
+    image (every channel's planes), tiles of several bands, parts of tiles, against the classifier on the whole
+    image's features."""
+    from skimage.data import astronaut
+
+    from alibi_vit.trainable import segmenter as segmenter_module
+
+    monkeypatch.setattr(segmenter_module, "PREDICT_BAND", 48)
+    image = astronaut()[:300, :260]
+    labels = np.zeros(image.shape[:2], np.uint8)
+    labels[20:26, 10:200], labels[150:156, 30:250], labels[270:276, 5:120] = 1, 2, 3
+    seg = TrainableSegmenter(**FAST, tile=112).fit([image], [labels])
+    x = seg.scale(image)
+    feats = np.concatenate([classical_features(x[..., c], intensity=None, filters=seg.filters) for c in range(3)], -1)
+    assert feats.shape[-1] == len(seg.feature_names)
+    ref = seg.model_.predict_proba(np.ascontiguousarray(feats.reshape(-1, feats.shape[-1]))).reshape(300, 260, 3)
+    np.testing.assert_allclose(seg.predict_proba([image])[0], ref, atol=1e-5, rtol=0)
+    src = seg.source(image)
+    tile = next(t for t in seg.tile_grid(src) if t.core[0].start == 112 and t.core[1].start == 112)
+    part = (slice(120, 201), slice(130, 160))  # three bands of 48 rows, the last one short
+    np.testing.assert_allclose(seg.tile_proba(src, tile, part), ref[part], atol=1e-5, rtol=0)
+
+
+def test_training_reads_only_the_label_tiles_that_hold_a_nonzero_value(monkeypatch):
+    """An in-memory label image is scanned along its axes first: tiles with nothing but 0 are neither read nor
+    checked, and a bad value (negative) in any other tile is still refused."""
+    from alibi_vit.trainable import segmenter as segmenter_module
+
+    image, _ = synthetic_micrograph(300, seed=1)
+    labels = np.zeros((300, 300), np.int64)
+    labels[10:14, 10:60], labels[250:254, 240:260] = 1, 2  # in tiles (0, 0) and (2, 2) of 112 px
+    seg = TrainableSegmenter(**FAST, tile=112)
+    read = []
+    real = segmenter_module.label_region
+    monkeypatch.setattr(segmenter_module, "label_region",
+                        lambda lab, *region, source: read.append(tuple((s.start, s.stop) for s in region))
+                        or real(lab, *region, source=source))
+    seg.fit([image], [labels])
+    # Rows 0-112 and 224-300 hold labels, and so do the same columns: those four tiles are read, not the others.
+    bands = ((0, 112), (224, 300))
+    assert set(read) == {(r, c) for r in bands for c in bands}
+    labels[150, 120] = -1
+    with pytest.raises(ValueError, match="negative values"):
+        TrainableSegmenter(**FAST, tile=112).fit([image], [labels])

@@ -1,9 +1,11 @@
-"""Pixel classifiers: thresholds moved midway between labelled values."""
+"""Pixel classifiers: XGBoost's forest and boosting through its own API (as its scikit-learn classes set them), and
+without scikit-learn; thresholds moved midway between labelled values."""
 
 import numpy as np
 import pytest
 
-from alibi_vit.trainable.classifier import CLASSIFIERS, balanced_weights, fit_classifier, make_classifier
+from alibi_vit.trainable.classifier import (CLASSIFIERS, DEFAULTS, balanced_weights, fit_classifier, load_classifier,
+                                             make_classifier)
 
 SMALL = {"n_estimators": 5, "n_jobs": 1}
 
@@ -67,3 +69,87 @@ def test_a_damaged_classifier_file_is_named_at_once_or_on_first_use(tmp_path):
     pending = load_classifier_in_background("random_forest", not_a_model)
     with pytest.raises(ValueError, match=f"{not_a_model} is not a readable XGBoost model"):
         pending.predict_proba(np.zeros((1, 3), np.float32))
+
+
+@pytest.mark.parametrize("kind, reference", [("random_forest", "XGBRFClassifier"), ("xgboost", "XGBClassifier")])
+@pytest.mark.parametrize("n_classes", [2, 4])
+def test_the_classifier_is_xgboosts_own_forest_and_booster_set_as_its_scikit_learn_classes_set_them(
+        kind, reference, n_classes, tmp_path):
+    """Reference: XGBoost's scikit-learn classes with the same settings give the same probabilities, bit for bit,
+    and each reads the other's model file."""
+    import xgboost
+
+    rng = np.random.default_rng(n_classes)
+    X = np.round(rng.normal(size=(600, 5)), 2).astype(np.float32)
+    y = np.digitize(X[:, 0] + X[:, 1] * X[:, 2], np.linspace(-1, 1, n_classes - 1))
+    params = {"n_estimators": 7, "max_depth": 5}
+    weights = balanced_weights(y)
+    ours = make_classifier(kind, seed=4, n_jobs=1, **params).fit(X, y, sample_weight=weights)
+    theirs = getattr(xgboost, reference)(**{**DEFAULTS[kind], **params}, random_state=4, n_jobs=1).fit(
+        X, y, sample_weight=weights)
+    unseen = rng.normal(size=(3000, 5)).astype(np.float32)
+    expected = theirs.predict_proba(unseen)
+    assert ours.predict_proba(unseen).shape == (3000, n_classes)
+    np.testing.assert_array_equal(ours.predict_proba(unseen), expected)
+    ours.save_model(tmp_path / "ours.json")
+    read = getattr(xgboost, reference)()
+    read.load_model(tmp_path / "ours.json")
+    np.testing.assert_array_equal(read.predict_proba(unseen), expected)
+    theirs.save_model(tmp_path / "theirs.json")
+    np.testing.assert_array_equal(load_classifier(kind, tmp_path / "theirs.json").predict_proba(unseen), expected)
+
+
+def test_a_fit_on_few_rows_predicts_on_every_core(tmp_path):
+    """Fits below SINGLE_THREAD_ROWS run on one thread; the booster is then set back to XGBoost's default
+    (nthread 0: every core, or OMP_NUM_THREADS) for prediction."""
+    import json
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(500, 3)).astype(np.float32)
+    y = (X[:, 0] > 0).astype(int)
+    clf = fit_classifier("random_forest", X, y, params={"n_estimators": 3})
+    assert json.loads(clf.get_booster().save_config())["learner"]["generic_param"]["nthread"] == "0"
+    pinned = fit_classifier("random_forest", X, y, params={"n_estimators": 3, "n_jobs": 1})
+    assert json.loads(pinned.get_booster().save_config())["learner"]["generic_param"]["nthread"] == "1"
+
+
+def test_scikit_learn_is_refused_only_to_the_thread_importing_xgboost():
+    import threading
+
+    from alibi_vit.trainable.classifier import _NoScikitLearnInThisThread
+
+    finder = _NoScikitLearnInThisThread()
+    with pytest.raises(ModuleNotFoundError, match="sklearn.base is not imported with XGBoost"):
+        finder.find_spec("sklearn.base")
+    assert finder.find_spec("scipy") is None and finder.find_spec("sklearnx") is None
+    elsewhere = []
+    thread = threading.Thread(target=lambda: elsewhere.append(finder.find_spec("sklearn")))
+    thread.start()
+    thread.join()
+    assert elsewhere == [None]
+
+
+def test_a_process_of_our_own_fits_saves_and_loads_without_scikit_learn(tmp_path):
+    """In a fresh process: XGBoost imported without scikit-learn (in the background, as a fit starts it), the
+    forest fitted and saved; scikit-learn imports normally afterwards, and the saved model gives XGBoost's
+    scikit-learn class the same probabilities in this (ordinary) process."""
+    import xgboost
+
+    from tests.helpers import run_in_fresh_process
+
+    script = ("import sys\nimport numpy as np\n"
+              "from alibi_vit.trainable import classifier as c\n"
+              "c.import_xgboost_without_scikit_learn()\nc.import_in_background()\n"
+              "rng = np.random.default_rng(0)\nX = rng.normal(size=(400, 3)).astype(np.float32)\n"
+              "y = (X[:, 0] > 0).astype(int) + (X[:, 1] > 1)\n"
+              "clf = c.fit_classifier('random_forest', X, y, params={'n_estimators': 4})\n"
+              "clf.save_model(sys.argv[1])\nnp.save(sys.argv[2], clf.predict_proba(X))\n"
+              "print('sklearn' in sys.modules)\nimport sklearn.base\nprint('sklearn' in sys.modules)\n")
+    result = run_in_fresh_process([str(tmp_path / "m.json"), str(tmp_path / "p.npy")], tmp_path, script, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True"]
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(400, 3)).astype(np.float32)
+    read = xgboost.XGBRFClassifier()
+    read.load_model(tmp_path / "m.json")
+    np.testing.assert_array_equal(read.predict_proba(X), np.load(tmp_path / "p.npy"))

@@ -1,5 +1,6 @@
-"""A first segmentation on classical features (the CPU default) starts without PyTorch, and XGBoost loads while
-the features are computed: checked in fresh processes, where imports are what they cost a user."""
+"""A first segmentation on classical features (the CPU default) starts without PyTorch (the command line also
+without scikit-learn), and XGBoost loads while the features are computed: checked in fresh processes, where
+imports are what they cost a user."""
 
 import os
 import sys
@@ -16,10 +17,11 @@ NO_GPU_DRIVER = sys.platform.startswith("linux") and not any(
     os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/kfd", "/dev/dxg"))
 needs_no_gpu_driver = pytest.mark.skipif(not NO_GPU_DRIVER, reason="with a GPU driver, torch is asked for the device")
 
-# Run the command in this process, then list which of the heavy modules were imported on the way.
-_PROBE = ("import sys\nfrom alibi_vit.cli.main import main\ntry:\n    code = main(sys.argv[1:])\n"
+# Run the command in this process as the console script does (main() reading sys.argv), then list which of the
+# heavy modules were imported on the way.
+_PROBE = ("import sys\nfrom alibi_vit.cli.main import main\ntry:\n    code = main()\n"
           "except SystemExit as stop:\n    code = stop.code\n"
-          "print(sorted({'torch', 'timm', 'xgboost', 'zarr'} & set(sys.modules)))\nsys.exit(code)\n")
+          "print(sorted({'torch', 'timm', 'xgboost', 'zarr', 'sklearn'} & set(sys.modules)))\nsys.exit(code)\n")
 
 
 def _image_and_labels(folder: Path):
@@ -44,7 +46,8 @@ def test_default_device_agrees_with_torch():
 
 @needs_no_gpu_driver
 def test_segment_train_and_apply_never_import_torch(tmp_path):
-    """Nor zarr, for a TIFF that is not tiled (read by memory map)."""
+    """Nor zarr, for a TIFF that is not tiled (read by memory map), nor scikit-learn (XGBoost is imported without
+    it in alibi-vit's own processes)."""
     _image_and_labels(tmp_path)
     train = run_in_fresh_process(["segment", "train", "--images", "images", "--labels", "labels", "--out", "model"],
                                  tmp_path, _PROBE, timeout=300)

@@ -113,6 +113,27 @@ def test_training_on_labels_in_xz_featurises_the_labelled_planes_only(monkeypatc
     assert seg.label_counts_ == {1: int((labels == 1).sum()), 2: int((labels == 2).sum())}
 
 
+def test_strokes_in_a_plane_are_featurised_in_boxes_with_the_whole_blocks_values(monkeypatch):
+    """Sparse strokes in one plane of a block: boxes around them, one plane thick with the filters' reach, give
+    the labelled voxels the features the whole block gives them, from far fewer voxels."""
+    volume, truth, _ = z_only_phase((20, 200, 200), seed=4)
+    labels = np.zeros_like(truth)
+    labels[9, 5:8, 4:20] = truth[9, 5:8, 4:20]  # two strokes far apart in the slice z = 9
+    labels[9, 180:184, 160:185] = truth[9, 180:184, 160:185]
+    seg = VolumeSegmenter(**FAST, tile=200).fit(volume, labels)
+    src = seg.source(volume)
+    (tile,) = list(seg.tile_grid(src))
+    sel = labels[tile.core] > 0
+    read = []
+    real = classical3d.volume_features
+    monkeypatch.setattr("alibi_vit.trainable.volumes.volume_features",
+                        lambda block, *a, **k: read.append(block.size) or real(block, *a, **k))
+    rows = seg._labelled_rows(src, tile, sel)
+    assert len(read) == 2 and sum(read) < 0.5 * np.prod([o.stop - o.start for o in tile.outer])  # two boxes
+    monkeypatch.undo()
+    np.testing.assert_allclose(rows, seg._tile_features(src, tile)[sel], rtol=0, atol=1e-6)
+
+
 def test_a_volume_model_saves_and_loads_with_its_spacing(trained, tmp_path):
     volume, labels, seg, _, _ = trained
     loaded = TrainableSegmenter.load(seg.save(tmp_path / "m"))

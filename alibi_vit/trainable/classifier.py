@@ -1,8 +1,11 @@
 """Pixel classifiers: a random forest (default) or XGBoost gradient boosting, saved as XGBoost JSON.
 
-The random forest is XGBoost's own random-forest mode (``XGBRFClassifier``: many trees on
-bootstrap rows and random feature subsets per split, averaged), so both options save to
-XGBoost's JSON model format and load without pickle.
+The random forest is XGBoost's own random-forest mode (as ``XGBRFClassifier`` sets it: many trees
+on bootstrap rows and random feature subsets per split, averaged), so both options save to
+XGBoost's JSON model format and load without pickle. Both are trained through XGBoost's own API
+(:class:`PixelClassifier`), not its scikit-learn classes: a process of alibi-vit's own (the command
+line, the app) then need not import scikit-learn with XGBoost, 1.4 s of a first segmentation's
+start on a 2-core CPU (:func:`import_xgboost_without_scikit_learn`).
 
 Why a forest by default: on the labelled micrograph set's training split (sparse strokes, three
 seeds; docs/segmentation.md) the forest beat boosting with either filter set and varied less from
@@ -37,9 +40,9 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["CLASSIFIERS", "DEFAULT_CLASSIFIER", "PendingClassifier", "balanced_weights", "fit_classifier",
-           "import_in_background", "load_classifier", "load_classifier_in_background", "make_classifier",
-           "midpoint_thresholds"]
+__all__ = ["CLASSIFIERS", "DEFAULT_CLASSIFIER", "PendingClassifier", "PixelClassifier", "balanced_weights",
+           "fit_classifier", "import_in_background", "import_xgboost", "import_xgboost_without_scikit_learn",
+           "load_classifier", "load_classifier_in_background", "make_classifier", "midpoint_thresholds"]
 
 CLASSIFIERS = ("xgboost", "random_forest")
 DEFAULT_CLASSIFIER = "random_forest"
@@ -52,24 +55,66 @@ DEFAULTS = {
 }
 
 
+_IMPORT_LOCK = threading.Lock()  # one import of XGBoost at a time: a background one and a fit's own
 _IMPORTER: list = []  # the background import's thread, once started
+_WITHOUT_SCIKIT_LEARN = False  # set by import_xgboost_without_scikit_learn()
+
+
+class _NoScikitLearnInThisThread:
+    """A meta-path finder that refuses scikit-learn to one thread (the one importing XGBoost), and only there."""
+
+    def __init__(self):
+        self.thread = threading.get_ident()
+
+    def find_spec(self, name, path=None, target=None):
+        if threading.get_ident() == self.thread and name.partition(".")[0] == "sklearn":
+            raise ModuleNotFoundError(f"{name} is not imported with XGBoost in this process", name=name)
+        return None
+
+
+def import_xgboost_without_scikit_learn() -> None:
+    """Have this process import XGBoost without its scikit-learn interface: XGBoost imports scikit-learn when it
+    can, about 1.4 s of its 1.9 s import on a 2-core CPU, and :class:`PixelClassifier` does not need it.
+
+    For processes that alibi-vit owns (its command line and app) and scripts that use no XGBoost scikit-learn
+    class: XGBoost's own scikit-learn classes (``xgboost.XGBClassifier``...) then refuse to work in the process.
+    Without effect when XGBoost or scikit-learn is imported already; scikit-learn itself still imports normally
+    (other threads are never refused it, and after XGBoost's import this thread neither)."""
+    global _WITHOUT_SCIKIT_LEARN
+    _WITHOUT_SCIKIT_LEARN = True
+
+
+def import_xgboost():
+    """The ``xgboost`` module, imported once per process: the background import and the fit's own wait for each
+    other on one lock (two threads importing it at once could leave it half made)."""
+    import sys
+
+    with _IMPORT_LOCK:
+        if _WITHOUT_SCIKIT_LEARN and "xgboost" not in sys.modules and "sklearn" not in sys.modules:
+            finder = _NoScikitLearnInThisThread()
+            sys.meta_path.insert(0, finder)
+            try:
+                import xgboost
+            finally:
+                sys.meta_path.remove(finder)
+        import xgboost
+    return xgboost
 
 
 def import_in_background() -> None:
-    """Start importing XGBoost (and, through its scikit-learn interface, scikit-learn) in a daemon thread, once
-    per process: about 1.4 s of a first fit on a 2-core CPU, spent while the features are computed. The import
-    in :func:`make_classifier` then finds the module loaded, or waits for the thread to finish it (Python's
-    import lock); a failed background import is ignored, that import raises the error itself."""
+    """Start importing XGBoost in a daemon thread, once per process: 0.5-1.9 s of a first fit on a 2-core CPU
+    (with scikit-learn, unless :func:`import_xgboost_without_scikit_learn`), spent while the features are
+    computed. :func:`import_xgboost` then finds the module loaded, or waits for the thread to finish it; a
+    failed background import is ignored, that import raises the error itself."""
     import sys
-    import threading
 
-    if _IMPORTER or "xgboost.sklearn" in sys.modules:
+    if _IMPORTER or "xgboost" in sys.modules:
         return
 
     def load():
         try:
-            import xgboost.sklearn  # noqa: F401
-        except Exception:  # make_classifier's own import reports it
+            import_xgboost()
+        except Exception:  # import_xgboost's next call reports it
             pass
 
     thread = threading.Thread(target=load, name="alibi-vit-import-xgboost", daemon=True)
@@ -77,14 +122,101 @@ def import_in_background() -> None:
     thread.start()
 
 
-def make_classifier(kind: str = DEFAULT_CLASSIFIER, seed: int = 0, n_jobs: int | None = None, **params):
-    """An unfitted XGBoost classifier of ``kind`` ("xgboost" or "random_forest")."""
-    import xgboost as xgb
+class PixelClassifier:
+    """An XGBoost model of ``kind`` over pixel rows, trained and saved through XGBoost's own API
+    (``xgboost.train``, ``Booster``), which needs no scikit-learn. The random forest is XGBoost's
+    random-forest mode, set as ``xgboost.XGBRFClassifier`` sets it (one round of ``n_estimators`` parallel
+    trees, learning rate 1, row and feature subsamples, L2 1e-5); boosting is ``n_estimators`` rounds, as
+    ``xgboost.XGBClassifier`` sets it. Model files are XGBoost's JSON, read and written by both.
 
-    if kind not in CLASSIFIERS:
-        raise ValueError(f"classifier must be one of {CLASSIFIERS}, got {kind!r}")
-    cls = xgb.XGBClassifier if kind == "xgboost" else xgb.XGBRFClassifier
-    return cls(**{**DEFAULTS[kind], **params}, random_state=seed, n_jobs=n_jobs)
+    params: XGBoost's parameters, by their scikit-learn names or their own (``n_estimators`` is the tree
+    count: trees of the forest, rounds of boosting). n_jobs: threads (None: XGBoost's default, every core
+    or ``OMP_NUM_THREADS``)."""
+
+    _FOREST = {"learning_rate": 1.0, "reg_lambda": 1e-5, "subsample": 0.8, "colsample_bynode": 0.8}
+
+    def __init__(self, kind: str = DEFAULT_CLASSIFIER, seed: int = 0, n_jobs: int | None = None, **params):
+        if kind not in CLASSIFIERS:
+            raise ValueError(f"classifier must be one of {CLASSIFIERS}, got {kind!r}")
+        self.kind, self.seed, self.n_jobs = kind, int(seed), n_jobs
+        self.params = {**DEFAULTS[kind], **params}
+        self.booster = None
+        self.n_classes_ = None
+
+    def _training_params(self, n_classes: int) -> tuple[dict, int]:
+        params = dict(self.params)
+        trees = int(params.pop("n_estimators"))
+        if self.kind == "random_forest":
+            params, rounds = {**self._FOREST, **params, "num_parallel_tree": trees}, 1
+        else:
+            rounds = trees
+        params.update(objective="multi:softprob" if n_classes > 2 else "binary:logistic", random_state=self.seed)
+        if n_classes > 2:
+            params["num_class"] = n_classes
+        if self.n_jobs is not None:
+            params["n_jobs"] = self.n_jobs
+        return params, rounds
+
+    def fit(self, X: np.ndarray, y: np.ndarray, sample_weight: np.ndarray | None = None) -> "PixelClassifier":
+        """Fit on rows ``X`` and classes ``y`` (0..K-1, K ≥ 2, each present); returns self."""
+        xgb = import_xgboost()
+        y = np.asarray(y)
+        classes = np.unique(y)
+        if len(classes) < 2 or not np.array_equal(classes, np.arange(len(classes))):
+            raise ValueError(f"classes must be 0..K-1 with K >= 2, each present; got {classes.tolist()}")
+        params, rounds = self._training_params(len(classes))
+        # QuantileDMatrix for the histogram method, as XGBoost's scikit-learn interface builds it.
+        if params.get("tree_method", "hist") in ("hist", "auto"):
+            data = xgb.QuantileDMatrix(X, label=y, weight=sample_weight, nthread=self.n_jobs,
+                                       max_bin=params.get("max_bin"))
+        else:
+            data = xgb.DMatrix(X, label=y, weight=sample_weight, nthread=self.n_jobs)
+        self.booster = xgb.train(params, data, rounds)
+        self.n_classes_ = len(classes)
+        return self
+
+    def get_booster(self):
+        if self.booster is None:
+            raise ValueError("the classifier is not fitted")
+        return self.booster
+
+    def set_threads(self, n_jobs: int | None) -> None:
+        """Threads for what follows (None: XGBoost's default, every core or ``OMP_NUM_THREADS``)."""
+        self.n_jobs = n_jobs
+        self.get_booster().set_param({"nthread": 0 if n_jobs is None else n_jobs})
+
+    def predict_proba(self, X: np.ndarray) -> np.ndarray:
+        """(n, K) float32 class probabilities of rows ``X``."""
+        p = self.get_booster().inplace_predict(X)
+        return p if p.ndim == 2 else np.stack([1 - p, p], axis=1)
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        """(n,) the most probable class of each row."""
+        return self.predict_proba(X).argmax(1)
+
+    def save_model(self, path) -> None:
+        """XGBoost's JSON model file, marked as a classifier for ``xgboost.XGBClassifier.load_model``."""
+        booster = self.get_booster()
+        booster.set_attr(scikit_learn=json.dumps({"_estimator_type": "classifier"}))
+        try:
+            booster.save_model(os.fspath(path))
+        finally:
+            booster.set_attr(scikit_learn=None)
+
+    def load_model(self, raw) -> "PixelClassifier":
+        """Load from a model file's bytes (or path); returns self."""
+        xgb = import_xgboost()
+        booster = xgb.Booster({"nthread": self.n_jobs} if self.n_jobs is not None else None)
+        booster.load_model(raw if isinstance(raw, (bytes, bytearray)) else os.fspath(raw))
+        booster.set_attr(scikit_learn=None)
+        config = json.loads(booster.save_config())["learner"]["learner_model_param"]
+        self.booster, self.n_classes_ = booster, max(int(config["num_class"]), 2)
+        return self
+
+
+def make_classifier(kind: str = DEFAULT_CLASSIFIER, seed: int = 0, n_jobs: int | None = None, **params):
+    """An unfitted :class:`PixelClassifier` of ``kind`` ("xgboost" or "random_forest")."""
+    return PixelClassifier(kind, seed=seed, n_jobs=n_jobs, **params)
 
 
 # Fits on fewer rows run on one thread: on a busy machine, OpenMP threads waiting on each other made
@@ -105,7 +237,7 @@ def fit_classifier(kind: str, X: np.ndarray, y: np.ndarray, seed: int = 0, param
     clf.fit(X, y, sample_weight=balanced_weights(y))
     midpoint_thresholds(clf, X)
     if threads == "auto":
-        clf.set_params(n_jobs=None)
+        clf.set_threads(None)
     return clf
 
 
@@ -168,14 +300,13 @@ def load_classifier(kind: str, path) -> object:
     return _classifier_from(kind, path.read_bytes(), path)
 
 
-def _classifier_from(kind: str, raw: bytes, path: Path) -> object:
+def _classifier_from(kind: str, raw: bytes, path: Path) -> PixelClassifier:
     """A classifier of ``kind`` from the bytes of its model file ``path`` (named in errors)."""
-    import xgboost as xgb
-
+    xgb = import_xgboost()
     clf = make_classifier(kind)
     try:
         clf.load_model(bytearray(raw))
-    except xgb.core.XGBoostError as err:  # its message is a C++ stack trace: the first line says what failed
+    except (xgb.core.XGBoostError, KeyError, ValueError) as err:  # its message is a C++ stack trace: the first line says what failed
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
         reason = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", reason)  # "[08:19:02] src/json.cc:409: " prefix
         raise _damaged(path, reason) from None

@@ -22,7 +22,7 @@ from ..images import PERCENTILES, grey_values, scale_to_range
 from .cache import array_digest
 from .io import as_label_image
 
-__all__ = ["ArraySource", "ChunkedSource", "chunked_range", "label_region", "labels_shape"]
+__all__ = ["ArraySource", "ChunkedSource", "chunked_range", "label_region", "labels_shape", "nonzero_along_axes"]
 
 
 class ArraySource:
@@ -128,3 +128,11 @@ def label_region(labels, *region: slice, source: str) -> np.ndarray:
     if values.ndim == 3:  # a box of a label volume: checked as one (z·y, x) label image
         return as_label_image(values.reshape(-1, values.shape[-1]), source=source).reshape(values.shape)
     return as_label_image(values, source=source)
+
+
+def nonzero_along_axes(labels: np.ndarray) -> list[np.ndarray]:
+    """Per axis of an array, whether each index holds a nonzero value (NaN included) anywhere: a box whose
+    indices along some axis hold none is all 0. Training skips label tiles so (two passes over a 16384²
+    scribble layer instead of reading and checking its 256 tiles)."""
+    axes = range(labels.ndim)
+    return [labels.any(axis=tuple(b for b in axes if b != a)) for a in axes]

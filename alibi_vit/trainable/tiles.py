@@ -102,12 +102,22 @@ class TileGrid:
 
 
 def labelled_boxes(selected: np.ndarray, gap: int) -> list[tuple[tuple[slice, ...], np.ndarray]]:
-    """Boxes that together hold every True pixel of ``selected``, pixels less than ``gap`` px apart sharing one:
-    ``(box, owned)`` with ``owned`` the pixels of ``box`` that it holds (each True pixel in exactly one box).
-    Sparse scribbles are then featurised box by box rather than over the whole tile."""
-    from scipy import ndimage
+    """Boxes that together hold every True pixel of the 2D ``selected``, pixels less than ``gap`` px apart sharing
+    one: ``(box, owned)`` with ``owned`` the pixels of ``box`` that it holds (each True pixel in exactly one box),
+    boxes in raster order of their first pixel. Sparse scribbles are then featurised box by box rather than over
+    the whole tile. (OpenCV, not scipy.ndimage: its import is 0.4 s of a first ``segment train``.)"""
+    import cv2
 
-    grown = ndimage.maximum_filter(selected.view(np.uint8), size=2 * gap + 1) > 0 if gap else selected
-    groups, _ = ndimage.label(grown)
-    groups *= selected
-    return [(box, groups[box] == k) for k, box in enumerate(ndimage.find_objects(groups), start=1) if box is not None]
+    mask = np.ascontiguousarray(selected, bool).view(np.uint8)
+    grown = cv2.dilate(mask, np.ones((2 * gap + 1,) * 2, np.uint8)) if gap else mask
+    _, groups = cv2.connectedComponents(grown, connectivity=4, ltype=cv2.CV_32S)
+    rows, cols = np.nonzero(mask)
+    group = groups[rows, cols]
+    labels, first = np.unique(group, return_index=True)
+    boxes = []
+    for k in labels[np.argsort(first)]:
+        mine = group == k
+        box = (slice(int(rows[mine].min()), int(rows[mine].max()) + 1),
+               slice(int(cols[mine].min()), int(cols[mine].max()) + 1))
+        boxes.append((box, (groups[box] == k) & selected[box]))
+    return boxes

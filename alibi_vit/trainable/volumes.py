@@ -26,13 +26,14 @@ from ..chunked import ChunkedImage
 from ..images import scale_intensity, scale_to_range
 from .classical import pixel_major
 from .classical3d import check_sigmas, check_spacing, volume_feature_names, volume_features, volume_halo
-from .segmenter import TrainableSegmenter
+from .segmenter import STROKE_GAP, TrainableSegmenter
 from .sources import ArraySource, ChunkedSource, chunked_range
-from .tiles import Tile, TileGrid
+from .tiles import Tile, TileGrid, labelled_boxes
 from .vit3d import COMBINE, TriplanarViT
 
 __all__ = ["VOLUME_TILE", "VolumeSegmenter", "is_volume"]
 
+PLANE_TILE = 518  # voxels per side of the blocks one slice is predicted in (one plane thick: a few MB of features)
 VOLUME_TILE = 140  # voxels per block side (10 patches): ~3 M voxels, a few hundred MB of features
 PLANES_FRACTION = 0.25  # labels in fewer planes than this share of a block's side: featurise those planes only
 
@@ -205,8 +206,32 @@ class VolumeSegmenter(TrainableSegmenter):
         axis = int(np.argmin([len(u) for u in used]))
         if len(used[axis]) > PLANES_FRACTION * sel.shape[axis]:
             return self._tile_features(src, tile)[sel]
-        feats = self._tile_features(src, tile, axis, used[axis])
-        return feats[np.take(sel, used[axis], axis=axis)]  # sel is empty off those planes: same C order
+        if self.triplanar is not None:  # ViT windows work per block
+            feats = self._tile_features(src, tile, axis, used[axis])
+            return feats[np.take(sel, used[axis], axis=axis)]  # sel is empty off those planes: same C order
+        # In each of those planes, boxes around the strokes (as for 2D images), each one plane thick with the
+        # filters' reach around it: its features are the block's there, at a fraction of the block's plane.
+        halos = self.halo_of(src)
+        boxes = []
+        for k in used[axis]:
+            for box2d, owned2d in labelled_boxes(np.take(sel, k, axis=axis), STROKE_GAP):
+                box = list(box2d)
+                box.insert(axis, slice(int(k), int(k) + 1))
+                boxes.append((tuple(box), np.expand_dims(owned2d, axis)))
+        parts = [tile.part(box, halos, src.shape) for box, _ in boxes]
+        outer = [o.stop - o.start for o in tile.outer]
+        slab = min(len(used[axis]) * (1 + 2 * halos[axis]), outer[axis]) * int(np.prod(outer)) // outer[axis]
+        if sum(int(np.prod([o.stop - o.start for o in p.outer])) for p in parts) >= slab:  # boxes cost as much
+            feats = self._tile_features(src, tile, axis, used[axis])
+            return feats[np.take(sel, used[axis], axis=axis)]
+        row_of = (np.cumsum(sel, dtype=np.int64) - 1).reshape(sel.shape)  # each labelled voxel's row, in C order
+        rows = None
+        for (box, owned), part in zip(boxes, parts):
+            feats = self._tile_features(src, part, axis, [0])[owned]
+            if rows is None:
+                rows = np.empty((int(sel.sum()), feats.shape[-1]), feats.dtype)
+            rows[row_of[box][owned]] = feats
+        return rows
 
     def _fit_pca(self, sources, labels, labelled) -> None:
         """The ViT PCA, on slices through the labelled voxels of each orientation."""
@@ -242,8 +267,11 @@ class VolumeSegmenter(TrainableSegmenter):
             src = self.source(image)
             if not 0 <= index < src.shape[axis]:
                 raise IndexError(f"slice {index} of axis {axis} is outside the volume's {src.shape[axis]}")
-            # Blocks one plane thick along the axis: only the plane's halo is read and filtered there.
-            grid = TileGrid(src.shape, [1 if a == axis else self.tile for a in range(3)], self.halo_of(src))
+            # Blocks one plane thick along the axis: only the plane's halo is read and filtered there. In the plane
+            # they are at least PLANE_TILE wide: a plane of 512² in one block instead of 16 (their halos cost more
+            # than their cores), with the same values (the halo is the filters' reach).
+            side = max(self.tile, PLANE_TILE)
+            grid = TileGrid(src.shape, [1 if a == axis else side for a in range(3)], self.halo_of(src))
             region = [slice(None)] * 3
             region[axis] = slice(index, index + 1)
             shape = tuple(n for a, n in enumerate(src.shape) if a != axis)
