@@ -194,6 +194,27 @@ def test_widget_train_and_predict_equal_segment_train_and_apply(make_napari_view
     np.testing.assert_array_equal(viewer.layers["micrograph.tif prediction"].data, cli_mask)
 
 
+def test_a_vit_backbone_in_the_widget_trains_the_model_segment_train_makes(make_napari_viewer, qtbot, tmp_path,
+                                                                             micrograph):
+    """ViT features (a randomly initialised ALiBi ViT-S, named as such) beside the classical ones: the widget's
+    model predicts what `segment train` + `segment apply` predict from the same strokes and options."""
+    path, _, mask = micrograph
+    viewer = make_napari_viewer()
+    viewer.open(str(path), plugin="alibi-vit")
+    widget = _widget(viewer)
+    widget.backbone_edit.setText("alibi_vit_small_patch14_reg4_dinov2")
+    widget.random_init_box.setChecked(True)
+    widget.scribble_button.click()
+    _strokes_2d(viewer.layers["micrograph.tif scribbles"], mask)
+    widget.train("whole")
+    _wait(qtbot, widget)
+    assert widget.segmenter.vit is not None, widget.status.text()
+    options = widget.settings().options()
+    assert "--backbone" in options and "--allow-random-init" in options
+    _, cli_mask = _cli_masks(tmp_path, path, np.asarray(viewer.layers["micrograph.tif scribbles"].data), options)
+    np.testing.assert_array_equal(viewer.layers["micrograph.tif prediction"].data, cli_mask)
+
+
 def test_live_mode_retrains_after_each_stroke(make_napari_viewer, qtbot, micrograph):
     path, _, mask = micrograph
     viewer = make_napari_viewer()
@@ -260,6 +281,21 @@ def test_volume_scribbles_on_a_slice_train_3d_features(make_napari_viewer, qtbot
     assert (whole == phases).mean() > 0.8
     for c in (1, 2):
         assert widget.fractions[c][1] == pytest.approx((cli_mask == c).mean())
+
+    # napari's dims rolled so that the slider moves along y: strokes in that XZ plane, and Train predicts it.
+    viewer.layers.remove("volume.tif prediction")
+    viewer.dims.order = (1, 0, 2)
+    viewer.dims.set_point(1, 30)
+    for value in (1, 2):
+        zs, xs = np.nonzero(ndi.binary_erosion(phases[:, 30] == value, iterations=1))
+        _stroke(scribbles, [(zs[0], 30, xs[0]), (zs[-1], 30, xs[-1])], value, brush=1)
+    assert (np.array(scribbles.data)[:, 30] != labels[:, 30]).any()
+    widget.train()
+    _wait(qtbot, widget)
+    shown = np.array(viewer.layers["volume.tif prediction"].data)
+    assert shown[:, 30].all() and not np.delete(shown, 30, axis=1).any()
+    np.testing.assert_array_equal(shown[:, 30], widget.segmenter.predict([volume])[0][:, 30])
+    assert "y slice 30" in widget.status.text()
 
 
 def test_errors_are_notifications_with_the_engine_messages(make_napari_viewer, qtbot, micrograph, tmp_path):

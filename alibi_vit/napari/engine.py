@@ -32,6 +32,7 @@ __all__ = [
     "predict_plane",
     "predict_region",
     "predict_whole",
+    "scribble_snapshot",
     "training_image",
     "uncertainty_u8",
 ]
@@ -165,6 +166,22 @@ def fit(seg, image, labels: np.ndarray, volume: bool):
     return seg
 
 
+def scribble_snapshot(data) -> np.ndarray | None:
+    """A copy of a scribble layer's data, None when it holds no stroke. Only the box around the strokes is
+    copied: the rest of a mosaic-sized layer stays zeros the system has not allocated (a 16384² layer is
+    268 MB). A copy, so strokes drawn while a Train runs go to the next one."""
+    from ..trainable.sources import nonzero_along_axes
+
+    data = np.asarray(data)
+    occupied = nonzero_along_axes(data)
+    if not all(o.any() for o in occupied):
+        return None
+    box = tuple(slice(int(np.argmax(o)), len(o) - int(np.argmax(o[::-1]))) for o in occupied)
+    out = np.zeros(data.shape, data.dtype)
+    out[box] = data[box]
+    return out
+
+
 def _part(core, region):
     part = tuple(slice(max(c.start, r.start), min(c.stop, r.stop)) for c, r in zip(core, region))
     return part if all(p.start < p.stop for p in part) else None
@@ -173,14 +190,24 @@ def _part(core, region):
 def predict_region(seg, image, region):
     """Probabilities of a region ((rows, cols) slices) of a 2D image: yields ``(part, proba)`` for each
     featurisation tile the region overlaps (its part in image coordinates, (h, w, K) float32), the
-    classifier's raw output (no CRF: it looks past the region)."""
+    classifier's raw output (no CRF: it looks past the region).
+
+    On classical features only the part is featurised, with the filters' reach around it (its values are
+    the whole tile's there): a view across four tiles costs its own pixels, not the four tiles'. The cache
+    keeps the parts, so a retraining on the same view reads them back."""
     seg._check_fitted()
     with seg._call():  # the scratch state one predict call holds (a ViT's neighbouring windows)
         src = seg.source(image)
         region = tuple(slice(*s.indices(n)[:2]) for s, n in zip(region, src.shape))
+        own_part = seg.vit is None and seg._feature_fn is None
         for tile in seg.tile_grid(src).covering(region):
             part = _part(tile.core, region)
-            if part is not None:
+            if part is None:
+                continue
+            if own_part:
+                box = tuple(slice(p.start - c.start, p.stop - c.start) for p, c in zip(part, tile.core))
+                yield part, seg.tile_proba(src, tile.part(box, (seg.halo,) * 2, src.shape))
+            else:
                 yield part, seg.tile_proba(src, tile, part)
 
 
@@ -207,17 +234,17 @@ def predict_whole(seg, image):
     yield len(tiles), len(tiles), proba
 
 
-def predict_plane(seg, image, z: int):
-    """Probabilities of slice ``z`` of a volume: from that plane's features with a volume model
-    (:meth:`~alibi_vit.trainable.VolumeSegmenter.plane_proba`), or of that slice as a 2D image with a
-    2D model."""
+def predict_plane(seg, image, axis: int, index: int):
+    """Probabilities of one slice of a volume, perpendicular to ``axis`` (0: z, 1: y, 2: x) at ``index``: from that
+    plane's features with a volume model (:meth:`~alibi_vit.trainable.VolumeSegmenter.plane_proba`), or of that
+    slice as a 2D image with a 2D model."""
     if seg.dims == 3:
-        return seg.plane_proba(image, 0, z)
+        return seg.plane_proba(image, axis, index)
     from ..chunked import ChunkedImage
 
-    plane = image.read_box(slice(z, z + 1), slice(None), slice(None))[0] if isinstance(image, ChunkedImage) \
-        else np.asarray(image[z])
-    return seg.predict_proba([plane])[0]
+    box = tuple(slice(index, index + 1) if a == axis else slice(None) for a in range(3))
+    plane = image.read_box(*box) if isinstance(image, ChunkedImage) else np.asarray(image[box])
+    return seg.predict_proba([np.take(plane, 0, axis=axis)])[0]
 
 
 def uncertainty_u8(proba: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from qtpy.QtCore import Qt
+from qtpy.QtCore import Qt, QTimer
 from qtpy.QtGui import QColor
 from qtpy.QtWidgets import (
     QCheckBox,
@@ -49,6 +49,7 @@ CLASS_COLOURS = ("#e6194b", "#3cb44b", "#0082c8", "#ffe119", "#911eb4", "#46f0f0
                  "#d2f53c", "#fabebe")
 PREDICTION_SUFFIX, UNCERTAINTY_SUFFIX = " prediction", " uncertainty"
 SCOPES = ("view", "slice", "whole")
+REDRAW_S = 0.5  # while a prediction comes in piece by piece, the output layers are redrawn at most this often
 SCOPE_WORDS = {"view": "the view", "slice": "the slice", "whole": "the whole image"}
 
 
@@ -60,6 +61,19 @@ def _compact(table: QTableWidget) -> None:
     """A table as tall as a few rows, its last column filling the width."""
     table.horizontalHeader().setStretchLastSection(True)
     table.setMinimumHeight(110)
+
+
+def _warm_up_napari() -> None:
+    """napari's one-time costs of a session's first layer, paid once this widget is shown rather than when the
+    first image opens: its unit registry (pint parses its definitions on first use, 0.6 s on a 2-core CPU; on
+    this, the main thread: that lazy registry is not thread-safe) and the scipy import of its thumbnails (0.4 s,
+    on a thread: imports are)."""
+    import threading
+
+    import pint
+
+    threading.Thread(target=lambda: __import__("scipy.ndimage"), name="alibi-vit-warm-up", daemon=True).start()
+    pint.get_application_registry().get().pixel  # noqa: B018 - the first use builds the registry
 
 
 class SegmentWidget(QWidget):
@@ -78,17 +92,15 @@ class SegmentWidget(QWidget):
         self._pending = None  # a live retraining asked for while a job ran
         self._scribbles_connected = None
         self.fractions = {}  # class value → (pixels, fraction) of the last prediction
+        self._unshown: dict = {}  # id → output layer written since its last redraw
+        self._shown_at = 0.0  # when the output layers were last redrawn
         self.last_seconds = None  # Train or Predict → the prediction written, in seconds (the last job)
         self.fit_seconds = None  # of those, reading the image and fitting (the last Train)
         self.class_names: dict[int, str] = {}
         self.class_colours: dict[int, str] = {}
         self._colours_set: dict[int, dict] = {}  # id(layer) → the class colours its colormap has
         self._build()
-        # XGBoost takes seconds to import (it brings scikit-learn and SciPy): while the user draws, not after
-        # the first click on Train (as the app does at start).
-        from ..trainable.classifier import import_in_background
-
-        import_in_background()
+        QTimer.singleShot(0, _warm_up_napari)
         self.viewer.layers.events.inserted.connect(self._refresh_layers)
         self.viewer.layers.events.removed.connect(self._refresh_layers)
         self._refresh_layers()
@@ -324,6 +336,11 @@ class SegmentWidget(QWidget):
             raise ValueError(f"no scribbles for {image.name}: press 'Scribble layer' and draw strokes of at least "
                              "two classes")
         else:
+            # XGBoost takes seconds to import (it brings scikit-learn and SciPy): while the user draws, not after
+            # the first click on Train, nor while an image opens.
+            from ..trainable.classifier import import_in_background
+
+            import_in_background()
             layer = self.viewer.add_labels(np.zeros(self._shape(image), np.uint8), name=name, scale=image.scale,
                                            translate=image.translate)
             layer.brush_size = 5
@@ -416,7 +433,10 @@ class SegmentWidget(QWidget):
             w.setEnabled(False)
         self.cancel_button.setEnabled(True)
 
+        self._shown_at = started  # pieces of the job's first REDRAW_S are drawn with the next ones
+
         def returned(result):
+            self._show_pieces()
             self.last_seconds = time.perf_counter() - started
             if on_done is not None:
                 on_done(result)
@@ -432,6 +452,14 @@ class SegmentWidget(QWidget):
         worker.start()
         return worker
 
+    def _show_pieces(self) -> None:
+        """Redraw the output layers written since their last redraw (a redraw of a mosaic-sized layer costs about
+        0.2 s: pieces arriving faster are drawn together)."""
+        for layer in self._unshown.values():
+            layer.refresh()
+        self._unshown.clear()
+        self._shown_at = time.perf_counter()
+
     def _fail(self, err) -> None:
         from napari.utils.notifications import show_error
 
@@ -440,6 +468,7 @@ class SegmentWidget(QWidget):
         show_error(message)
 
     def _finished(self) -> None:
+        self._show_pieces()  # what a cancelled or failed job wrote
         self.worker = None
         self.progress.setRange(0, 1)
         self.progress.setValue(1)
@@ -468,8 +497,9 @@ class SegmentWidget(QWidget):
             pred, unc = self._output_layers(image)
             pred.data[region] = mask
             unc.data[region] = uncertainty
-            pred.refresh()
-            unc.refresh()
+            self._unshown.update({id(pred): pred, id(unc): unc})
+            if time.perf_counter() - self._shown_at >= REDRAW_S:
+                self._show_pieces()
             for value, n in zip(*np.unique(mask[mask > 0], return_counts=True)):
                 self._counts[int(value)] = self._counts.get(int(value), 0) + int(n)
 
@@ -481,8 +511,8 @@ class SegmentWidget(QWidget):
             image = self.image_layer()
             scribbles = self.scribble_layer()
             volume = self.is_volume(image)
-            labels = np.array(scribbles.data, copy=True)  # a snapshot: strokes drawn meanwhile go to the next Train
-            if not labels.any():
+            labels = engine.scribble_snapshot(scribbles.data)  # strokes drawn meanwhile go to the next Train
+            if labels is None:
                 raise ValueError("the scribble layer is empty: draw strokes of at least two classes")
             settings = self.settings()
             path = self._source(image).get("path")
@@ -539,8 +569,13 @@ class SegmentWidget(QWidget):
             raise ValueError(f"scope must be one of {', '.join(SCOPES)}, got {scope!r}")
         volume = self.is_volume(image)
         if volume and scope in ("view", "slice"):
-            z = int(round(image.world_to_data(self.viewer.dims.point)[0]))
-            return "slice", min(max(z, 0), self._shape(image)[0] - 1)
+            # The slice on screen is perpendicular to the axis the slider moves along (napari's dims order can
+            # show any of the three planes); in a 3D view, the z slice at the slider.
+            hidden = self.viewer.dims.not_displayed
+            axis = int(hidden[-1]) - (self.viewer.dims.ndim - 3) if hidden else 0
+            axis = axis if 0 <= axis < 3 else 0
+            index = int(round(image.world_to_data(self.viewer.dims.point)[axis]))
+            return "slice", (axis, min(max(index, 0), self._shape(image)[axis] - 1))
         if scope == "view":
             return "view", self._view_region(image)
         return "whole", None
@@ -567,9 +602,11 @@ class SegmentWidget(QWidget):
             raise ValueError(f"{image.name} is a 2D image but the model segments volumes (3D features): load or "
                              "train a model of 2D images")
         if scope == "slice":
-            proba = engine.predict_plane(seg, source, where)
+            axis, index = where
+            proba = engine.predict_plane(seg, source, axis, index)
             mask = seg.classes_[proba.argmax(-1)].astype(np.uint8)
-            yield "piece", image, (where,), mask, engine.uncertainty_u8(proba)
+            yield "piece", image, tuple(index if a == axis else slice(None) for a in range(3)), mask, \
+                engine.uncertainty_u8(proba)
         elif scope == "view":
             region = where
             tiles = len(seg.tile_grid(seg.source(source)).covering(region))
@@ -596,7 +633,8 @@ class SegmentWidget(QWidget):
         self.fractions = {c: (n, n / total) for c, n in sorted(self._counts.items())}
         self._fraction_scope = target[0]
         self._show_fractions()
-        what = {"view": "the view", "slice": f"slice {target[1]}", "whole": "the whole image"}[target[0]]
+        what = {"view": "the view", "whole": "the whole image"}.get(target[0]) or \
+            f"{'zyx'[target[1][0]]} slice {target[1][1]}"
         self.status.setText(f"{verb}; predicted {what} in {self.last_seconds:.2f} s")
 
     def _show_fractions(self) -> None:
