@@ -240,6 +240,12 @@ class SegmentWidget(QWidget):
             self._image_chosen(self.image_box.currentText())
         else:
             self.image_info.setText("open an image (File ▸ Open, or a sample: File ▸ Open Sample ▸ alibi-vit)")
+        if any(layer.name.endswith(SCRIBBLE_SUFFIX) for layer in self.viewer.layers):
+            # XGBoost takes seconds to import (it brings scikit-learn and SciPy): once there are scribbles, while
+            # the user draws, not after the first click on Train, nor while an image opens.
+            from ..trainable.classifier import import_in_background
+
+            import_in_background()
 
     # ---- the image and its layers ----------------------------------------------------------------
     def image_layer(self):
@@ -336,11 +342,6 @@ class SegmentWidget(QWidget):
             raise ValueError(f"no scribbles for {image.name}: press 'Scribble layer' and draw strokes of at least "
                              "two classes")
         else:
-            # XGBoost takes seconds to import (it brings scikit-learn and SciPy): while the user draws, not after
-            # the first click on Train, nor while an image opens.
-            from ..trainable.classifier import import_in_background
-
-            import_in_background()
             layer = self.viewer.add_labels(np.zeros(self._shape(image), np.uint8), name=name, scale=image.scale,
                                            translate=image.translate)
             layer.brush_size = 5
