@@ -733,10 +733,17 @@ class TrainableSegmenter:
         parts = [tile.part(box, (self.halo,) * 2, src.shape) for box, _ in boxes]
         if not parts or sum(_area(p.outer) for p in parts) >= _area(tile.outer):
             return self._tile_features(src, tile)[sel]
-        row_of = (np.cumsum(sel, dtype=np.int64) - 1).reshape(sel.shape)  # each selected pixel's row, in C order
+        return self._rows_in_boxes(sel, boxes, parts, lambda part: self._classical_tile(src, part, cached=False))
+
+    @staticmethod
+    def _rows_in_boxes(sel: np.ndarray, boxes, parts, features) -> np.ndarray:
+        """(m, F) rows of the pixels (voxels) ``sel`` marks, in C order, gathered box by box: ``boxes`` are
+        ``(box, owned)`` owning every marked pixel once, ``parts`` their tiles, ``features(part)`` a part's
+        (..., F) features over its box."""
+        row_of = (np.cumsum(sel, dtype=np.int64) - 1).reshape(sel.shape)  # each marked pixel's row, in C order
         rows = None
         for (box, owned), part in zip(boxes, parts):
-            feats = self._classical_tile(src, part, cached=False)[owned]
+            feats = features(part)[owned]
             if rows is None:
                 rows = np.empty((int(sel.sum()), feats.shape[-1]), feats.dtype)
             rows[row_of[box][owned]] = feats

@@ -26,7 +26,7 @@ from ..chunked import ChunkedImage
 from ..images import scale_intensity, scale_to_range
 from .classical import pixel_major
 from .classical3d import check_sigmas, check_spacing, volume_feature_names, volume_features, volume_halo
-from .segmenter import STROKE_GAP, TrainableSegmenter
+from .segmenter import STROKE_GAP, TrainableSegmenter, _area
 from .sources import ArraySource, ChunkedSource, chunked_range
 from .tiles import Tile, TileGrid, labelled_boxes
 from .vit3d import COMBINE, TriplanarViT
@@ -206,32 +206,23 @@ class VolumeSegmenter(TrainableSegmenter):
         axis = int(np.argmin([len(u) for u in used]))
         if len(used[axis]) > PLANES_FRACTION * sel.shape[axis]:
             return self._tile_features(src, tile)[sel]
-        if self.triplanar is not None:  # ViT windows work per block
-            feats = self._tile_features(src, tile, axis, used[axis])
-            return feats[np.take(sel, used[axis], axis=axis)]  # sel is empty off those planes: same C order
         # In each of those planes, boxes around the strokes (as for 2D images), each one plane thick with the
-        # filters' reach around it: its features are the block's there, at a fraction of the block's plane.
+        # filters' reach around it: its features are the block's there, at a fraction of the block's plane (not
+        # with ViT features: their windows work per block).
         halos = self.halo_of(src)
         boxes = []
-        for k in used[axis]:
+        for k in used[axis] if self.triplanar is None else []:
             for box2d, owned2d in labelled_boxes(np.take(sel, k, axis=axis), STROKE_GAP):
                 box = list(box2d)
                 box.insert(axis, slice(int(k), int(k) + 1))
                 boxes.append((tuple(box), np.expand_dims(owned2d, axis)))
         parts = [tile.part(box, halos, src.shape) for box, _ in boxes]
-        outer = [o.stop - o.start for o in tile.outer]
-        slab = min(len(used[axis]) * (1 + 2 * halos[axis]), outer[axis]) * int(np.prod(outer)) // outer[axis]
-        if sum(int(np.prod([o.stop - o.start for o in p.outer])) for p in parts) >= slab:  # boxes cost as much
+        side = tile.outer[axis].stop - tile.outer[axis].start
+        planes_cost = min(len(used[axis]) * (1 + 2 * halos[axis]), side) * (_area(tile.outer) // side)
+        if not parts or sum(_area(p.outer) for p in parts) >= planes_cost:  # boxes would cost as much
             feats = self._tile_features(src, tile, axis, used[axis])
-            return feats[np.take(sel, used[axis], axis=axis)]
-        row_of = (np.cumsum(sel, dtype=np.int64) - 1).reshape(sel.shape)  # each labelled voxel's row, in C order
-        rows = None
-        for (box, owned), part in zip(boxes, parts):
-            feats = self._tile_features(src, part, axis, [0])[owned]
-            if rows is None:
-                rows = np.empty((int(sel.sum()), feats.shape[-1]), feats.dtype)
-            rows[row_of[box][owned]] = feats
-        return rows
+            return feats[np.take(sel, used[axis], axis=axis)]  # sel is empty off those planes: same C order
+        return self._rows_in_boxes(sel, boxes, parts, lambda part: self._tile_features(src, part, axis, [0]))
 
     def _fit_pca(self, sources, labels, labelled) -> None:
         """The ViT PCA, on slices through the labelled voxels of each orientation."""
