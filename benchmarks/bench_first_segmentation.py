@@ -14,9 +14,6 @@ Tools, all on the very same image file and the very same stroke file:
 - ``cli``: ``alibi-vit segment train`` then ``alibi-vit segment apply`` (its defaults; two
   processes, times and CPU summed, memory the larger peak);
 - ``api``: a script calling ``TrainableSegmenter().fit([image], [labels]).predict([image])``;
-- ``api_lean`` (only with ``--tools``): the same script calling
-  ``alibi_vit.trainable.classifier.import_xgboost_without_scikit_learn()`` first, as a script may that uses
-  none of XGBoost's scikit-learn classes (the command line does it always);
 - ``skimage``: scikit-image's trainable-segmentation gallery pipeline as a script:
   ``multiscale_basic_features(img, intensity=True, edges=False, texture=True, sigma_min=1,
   sigma_max=16)`` + ``RandomForestClassifier(n_estimators=50, n_jobs=-1, max_depth=10,
@@ -45,8 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import command_line, load_average, write_report  # noqa: E402
 
-TOOLS = ("cli", "api", "api_lean", "skimage")
-DEFAULT_TOOLS = ("cli", "api", "skimage")
+TOOLS = ("cli", "api", "skimage")
 IMAGES = ("texture", "uint16", "micrograph", "colour")
 MICROGRAPH = "ebc_040617_2_S127_2_0015"
 
@@ -60,14 +56,6 @@ image = tifffile.imread(sys.argv[1])
 labels = np.asarray(Image.open(sys.argv[2]))
 """
 API_SCRIPT = READ + """
-from alibi_vit.trainable.segmenter import TrainableSegmenter
-mask = TrainableSegmenter().fit([image], [labels]).predict([image])[0]
-np.save(sys.argv[3], mask)
-"""
-# The API in a script that opts in to importing XGBoost without scikit-learn (it uses no XGBoost scikit-learn class).
-API_LEAN_SCRIPT = READ + """
-from alibi_vit.trainable.classifier import import_xgboost_without_scikit_learn
-import_xgboost_without_scikit_learn()
 from alibi_vit.trainable.segmenter import TrainableSegmenter
 mask = TrainableSegmenter().fit([image], [labels]).predict([image])[0]
 np.save(sys.argv[3], mask)
@@ -218,7 +206,7 @@ def run_tool(launcher: Launcher, tool: str, case: dict, work: Path, log: Path, b
     else:
         script = work / f"{tool}_script.py"
         out.mkdir(parents=True, exist_ok=True)
-        script.write_text({"api": API_SCRIPT, "api_lean": API_LEAN_SCRIPT, "skimage": SKIMAGE_SCRIPT}[tool])
+        script.write_text({"api": API_SCRIPT, "skimage": SKIMAGE_SCRIPT}[tool])
         m = launcher.run([sys.executable, str(script), case["image_file"], case["strokes_file"], str(out / "mask.npy")],
                       log, env)
         mask = np.load(out / "mask.npy")
@@ -332,8 +320,7 @@ def markdown(payload: dict) -> list[str]:
                      f"{r['tool']} | {m['wall_s']:.2f} | {ratio:.2f}× | {m['cpu_s']:.2f} | {m['peak_rss_mb']:.0f} | "
                      f"{m['miou']:.3f} | {min(loads):.2f}–{max(loads):.2f} |")
     lines += ["", "cli = `alibi-vit segment train` + `segment apply` (two processes); api = "
-              "`TrainableSegmenter().fit` + `predict` in one fresh process; api_lean = the same after "
-              "`import_xgboost_without_scikit_learn()`; skimage = `multiscale_basic_features"
+              "`TrainableSegmenter().fit` + `predict` in one fresh process; skimage = `multiscale_basic_features"
               "(intensity, texture, σ 1–16)` + `RandomForestClassifier(50, max_depth=10, max_samples=0.05, "
               "n_jobs=-1)`. The colour image's mIoU is against a 3-level split of its luma (no true labels)."]
     return lines
@@ -345,8 +332,7 @@ def main(argv=None):
     p.add_argument("--sizes", type=int, nargs="+", default=[1024],
                    help="sizes of the texture-only grey image (default 1024); the other images use the smallest")
     p.add_argument("--images", nargs="+", choices=IMAGES, default=list(IMAGES))
-    p.add_argument("--tools", nargs="+", choices=TOOLS, default=list(DEFAULT_TOOLS),
-                   help="api_lean: the API in a script that first calls import_xgboost_without_scikit_learn()")
+    p.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0, help="seed of the generated images and the strokes")
     p.add_argument("--before", default=None, metavar="PYTHONPATH",

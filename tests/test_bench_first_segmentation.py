@@ -19,8 +19,8 @@ def test_smoke_run_has_every_tool_and_image_on_the_same_strokes(tmp_path):
                 "--stem", "fs"])
     payload = json.loads((tmp_path / "fs.json").read_text())
     rows = payload["rows"]
-    assert {(r["image"], r["tool"]) for r in rows} == {(i, t) for i in ("texture",) for t in bench.DEFAULT_TOOLS}
-    assert (tmp_path / "fs.md").read_text().count("| texture (uint8) |") == len(bench.DEFAULT_TOOLS)
+    assert {(r["image"], r["tool"]) for r in rows} == {(i, t) for i in ("texture",) for t in bench.TOOLS}
+    assert (tmp_path / "fs.md").read_text().count("| texture (uint8) |") == len(bench.TOOLS)
     for r in rows:
         assert len(r["runs"]) == payload["repeats"] == 1  # --smoke: one run whatever --repeats says
         for key in ("wall_s", "cpu_s", "peak_rss_mb", "miou"):

@@ -129,27 +129,71 @@ def test_scikit_learn_is_refused_only_to_the_thread_importing_xgboost():
     assert elsewhere == [None]
 
 
-def test_a_process_of_our_own_fits_saves_and_loads_without_scikit_learn(tmp_path):
-    """In a fresh process: XGBoost imported without scikit-learn (in the background, as a fit starts it), the
-    forest fitted and saved; scikit-learn imports normally afterwards, and the saved model gives XGBoost's
-    scikit-learn class the same probabilities in this (ordinary) process."""
+def test_a_fresh_process_fits_without_scikit_learn_and_its_own_xgboost_import_is_whole(tmp_path):
+    """In a fresh process: the classifier's XGBoost is imported in the background without scikit-learn, under
+    a private name; the forest is fitted, saved and pickled. The process's own ``import xgboost`` is then
+    whole: its scikit-learn classes fit, and read the saved model with the same probabilities. The pickle
+    loads in another process (this one)."""
+    import pickle
+
     import xgboost
 
     from tests.helpers import run_in_fresh_process
 
-    script = ("import sys\nimport numpy as np\n"
+    script = ("import pickle, sys\nimport numpy as np\n"
               "from alibi_vit.trainable import classifier as c\n"
-              "c.import_xgboost_without_scikit_learn()\nc.import_in_background()\n"
+              "c.import_in_background()\n"
               "rng = np.random.default_rng(0)\nX = rng.normal(size=(400, 3)).astype(np.float32)\n"
               "y = (X[:, 0] > 0).astype(int) + (X[:, 1] > 1)\n"
               "clf = c.fit_classifier('random_forest', X, y, params={'n_estimators': 4})\n"
               "clf.save_model(sys.argv[1])\nnp.save(sys.argv[2], clf.predict_proba(X))\n"
-              "print('sklearn' in sys.modules)\nimport sklearn.base\nprint('sklearn' in sys.modules)\n")
-    result = run_in_fresh_process([str(tmp_path / "m.json"), str(tmp_path / "p.npy")], tmp_path, script, timeout=300)
+              "open(sys.argv[3], 'wb').write(pickle.dumps(clf))\n"
+              "print('sklearn' in sys.modules, 'xgboost' in sys.modules, type(clf.get_booster()).__module__)\n"
+              "import xgboost\n"
+              "ours = xgboost.XGBRFClassifier()\nours.load_model(sys.argv[1])\n"
+              "print(np.array_equal(ours.predict_proba(X), clf.predict_proba(X)))\n"
+              "other = xgboost.XGBClassifier(n_estimators=2).fit(X, y)\n"
+              "import sklearn.base\nprint(isinstance(other, sklearn.base.BaseEstimator), "
+              "xgboost is c.import_xgboost())\n")
+    files = [str(tmp_path / name) for name in ("m.json", "p.npy", "c.pickle")]
+    result = run_in_fresh_process(files, tmp_path, script, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["False", "True"]
+    assert result.stdout.split() == ["False", "False", "alibi_vit.trainable._xgboost.core", "True", "True", "False"]
     rng = np.random.default_rng(0)
     X = rng.normal(size=(400, 3)).astype(np.float32)
+    expected = np.load(tmp_path / "p.npy")
     read = xgboost.XGBRFClassifier()
     read.load_model(tmp_path / "m.json")
-    np.testing.assert_array_equal(read.predict_proba(X), np.load(tmp_path / "p.npy"))
+    np.testing.assert_array_equal(read.predict_proba(X), expected)
+    unpickled = pickle.loads((tmp_path / "c.pickle").read_bytes())
+    assert unpickled.n_classes_ == 3
+    np.testing.assert_array_equal(unpickled.predict_proba(X), expected)
+
+
+def test_a_process_that_imported_scikit_learn_first_uses_its_ordinary_xgboost(tmp_path):
+    """With scikit-learn imported already XGBoost's import costs little: the classifier uses ``xgboost`` itself,
+    no private copy."""
+    from tests.helpers import run_in_fresh_process
+
+    script = ("import sys\nimport sklearn\nfrom alibi_vit.trainable.classifier import PRIVATE_XGBOOST, import_xgboost\n"
+              "module = import_xgboost()\nimport xgboost\n"
+              "print(module is xgboost, PRIVATE_XGBOOST in sys.modules)\n")
+    result = run_in_fresh_process([], tmp_path, script, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False"]
+
+
+def test_the_ordinary_xgboost_is_used_when_the_private_import_fails(tmp_path):
+    """In a fresh process whose private import fails (as it would for an XGBoost laid out otherwise): the
+    classifier gets the ordinary ``xgboost``, whole, and fits."""
+    from tests.helpers import run_in_fresh_process
+
+    script = ("import sys\nimport numpy as np\nfrom alibi_vit.trainable import classifier as c\n"
+              "def fail():\n    raise ImportError('laid out otherwise')\n"
+              "c._import_private_xgboost = fail\nmodule = c.import_xgboost()\n"
+              "X = np.arange(40, dtype=np.float32).reshape(20, 2)\ny = (X[:, 0] > 15).astype(int)\n"
+              "clf = c.fit_classifier('random_forest', X, y, params={'n_estimators': 2})\n"
+              "print(module is sys.modules['xgboost'], module.compat.SKLEARN_INSTALLED, clf.predict(X)[[0, -1]].tolist())\n")
+    result = run_in_fresh_process([], tmp_path, script, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True", "[0,", "1]"]

@@ -425,3 +425,25 @@ def test_the_colour_key_is_legible_and_fits_its_text(files, trained_model, tmp_p
     assert all(len(r) >= 12 for r in runs), [len(r) for r in runs]  # letters at least 12 px tall
     cols = np.where(text.any(0))[0]
     assert cols.max() < key.shape[1] - 2 and rows.max() < key.shape[0] - 2  # nothing cut off at the edges
+
+
+def test_overlay_tints_each_class_across_row_bands():
+    """overlay() blends band by band: pixels on both sides of every band edge get alpha·colour + (1 - alpha)·grey
+    (hand-computed for white under class 1 and class 2), class 0 stays the grey, an RGB image keeps its colours."""
+    from alibi_vit.trainable.io import OVERLAY_BAND, overlay
+
+    rows = 2 * OVERLAY_BAND + 3
+    image = np.ones((rows, 4), np.float32)
+    image[:, 3] = 0.2
+    mask = np.zeros((rows, 4), np.uint8)
+    mask[:, 0] = 1
+    mask[:, 1] = 2
+    out = overlay(image, mask, 0.4, 2)
+    # 0.6 * 255 = 153; class 1 = (230, 25, 75), class 2 = (60, 180, 75)
+    assert (out[:, 0] == [153 + 92, 153 + 10, 153 + 30]).all()
+    assert (out[:, 1] == [153 + 24, 153 + 72, 153 + 30]).all()
+    assert (out[:, 2] == 255).all() and (out[:, 3] == 51).all()
+    rgb = np.zeros((rows, 2, 3), np.float32)
+    rgb[..., 0] = 1.0
+    rgb_out = overlay(rgb, mask[:, :2], 0.4, 2)
+    assert (rgb_out[:, 0] == [153 + 92, 10, 30]).all() and (rgb_out[:, 1] == [153 + 24, 72, 30]).all()

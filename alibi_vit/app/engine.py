@@ -147,7 +147,7 @@ class Engine:
         self.notes: list[str] = []  # shown in the page: what the engine could not do at start
         self._closed = False
         shutil.rmtree(session.folder / "cache" / "predictions", ignore_errors=True)  # of models gone
-        # The classifier library takes seconds to import (XGBoost pulls in scikit-learn and SciPy): while
+        # The classifier library takes a while to import (XGBoost pulls in SciPy): while
         # the user draws, not after the first click on Train. Through the same background import a fit starts:
         # a thread of our own importing xgboost while that one imports xgboost.sklearn left the module half made
         # (Python's import locks took the two for a deadlock), and a Train in the first seconds failed with

@@ -472,7 +472,7 @@ class Volumes:
 
 
 def _warm_up_classifier() -> None:
-    """Import the classifier's library (XGBoost, with scikit-learn: about 3 s on a busy 2-core
+    """Import the classifier's library (XGBoost: about 0.5 s of CPU, seconds on a busy 2-core
     machine) in the background once a volume is opened, so the first Train does not wait for it; by
     the app's one background import (see :class:`~alibi_vit.app.engine.Engine`)."""
     from ..trainable.classifier import import_in_background

@@ -134,15 +134,10 @@ class _TifffileWarnings(logging.Handler):
 
 def main(argv=None) -> int:
     """Run ``alibi-vit`` with ``argv`` (None: this process's own arguments, as the console script and
-    ``python -m alibi_vit.cli`` run it: the process is then alibi-vit's own, and imports XGBoost without
-    scikit-learn, see :func:`~alibi_vit.trainable.classifier.import_xgboost_without_scikit_learn`)."""
+    ``python -m alibi_vit.cli`` run it)."""
     from ..runtime import prefer_passive_threads_when_busy
 
     prefer_passive_threads_when_busy()
-    if argv is None:
-        from ..trainable.classifier import import_xgboost_without_scikit_learn
-
-        import_xgboost_without_scikit_learn()
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     # Parse the subcommand first, then let its module add its own options.

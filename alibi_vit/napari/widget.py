@@ -241,7 +241,7 @@ class SegmentWidget(QWidget):
         else:
             self.image_info.setText("open an image (File ▸ Open, or a sample: File ▸ Open Sample ▸ alibi-vit)")
         if any(layer.name.endswith(SCRIBBLE_SUFFIX) for layer in self.viewer.layers):
-            # XGBoost takes seconds to import (it brings scikit-learn and SciPy): once there are scribbles, while
+            # XGBoost's import (with SciPy) takes a CPU-second or so: once there are scribbles, while
             # the user draws, not after the first click on Train, nor while an image opens.
             from ..trainable.classifier import import_in_background
 

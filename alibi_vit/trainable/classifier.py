@@ -3,9 +3,8 @@
 The random forest is XGBoost's own random-forest mode (as ``XGBRFClassifier`` sets it: many trees
 on bootstrap rows and random feature subsets per split, averaged), so both options save to
 XGBoost's JSON model format and load without pickle. Both are trained through XGBoost's own API
-(:class:`PixelClassifier`), not its scikit-learn classes: a process of alibi-vit's own (the command
-line, the app) then need not import scikit-learn with XGBoost, 1.4 s of a first segmentation's
-start on a 2-core CPU (:func:`import_xgboost_without_scikit_learn`).
+(:class:`PixelClassifier`), not its scikit-learn classes, so that XGBoost can be imported without
+scikit-learn: 1.4 s of a first segmentation's start on a 2-core CPU (:func:`import_xgboost`).
 
 Why a forest by default: on the labelled micrograph set's training split (sparse strokes, three
 seeds; docs/segmentation.md) the forest beat boosting with either filter set and varied less from
@@ -34,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["CLASSIFIERS", "DEFAULT_CLASSIFIER", "PendingClassifier", "PixelClassifier", "balanced_weights",
-           "fit_classifier", "import_in_background", "import_xgboost", "import_xgboost_without_scikit_learn",
+           "fit_classifier", "import_in_background", "import_xgboost",
            "load_classifier", "load_classifier_in_background", "make_classifier", "midpoint_thresholds"]
 
 CLASSIFIERS = ("xgboost", "random_forest")
@@ -57,7 +57,9 @@ DEFAULTS = {
 
 _IMPORT_LOCK = threading.Lock()  # one import of XGBoost at a time: a background one and a fit's own
 _IMPORTER: list = []  # the background import's thread, once started
-_WITHOUT_SCIKIT_LEARN = False  # set by import_xgboost_without_scikit_learn()
+_XGBOOST: list = []  # the module PixelClassifier uses, once imported
+# The name XGBoost's package is loaded under without scikit-learn (import_xgboost).
+PRIVATE_XGBOOST = "alibi_vit.trainable._xgboost"
 
 
 class _NoScikitLearnInThisThread:
@@ -72,43 +74,65 @@ class _NoScikitLearnInThisThread:
         return None
 
 
-def import_xgboost_without_scikit_learn() -> None:
-    """Have this process import XGBoost without its scikit-learn interface: XGBoost imports scikit-learn when it
-    can, about 1.4 s of its 1.9 s import on a 2-core CPU, and :class:`PixelClassifier` does not need it.
+def _import_private_xgboost():
+    """XGBoost's package executed as :data:`PRIVATE_XGBOOST`, scikit-learn refused to this thread.
 
-    For processes that alibi-vit owns (its command line and app) and scripts that use no XGBoost scikit-learn
-    class: XGBoost's own scikit-learn classes (``xgboost.XGBClassifier``...) then refuse to work in the process.
-    Without effect when XGBoost or scikit-learn is imported already; scikit-learn itself still imports normally
-    (other threads are never refused it, and after XGBoost's import this thread neither)."""
-    global _WITHOUT_SCIKIT_LEARN
-    _WITHOUT_SCIKIT_LEARN = True
+    Its modules import one another relatively, so every one of them loads under the private name; the
+    process's own ``xgboost`` stays unimported, and imports later as usual, with its scikit-learn classes."""
+    import importlib.util
+
+    found = importlib.util.find_spec("xgboost")
+    if found is None or found.origin is None or not found.submodule_search_locations:
+        raise ImportError("XGBoost is not a package of files here")
+    spec = importlib.util.spec_from_file_location(PRIVATE_XGBOOST, found.origin,
+                                                  submodule_search_locations=found.submodule_search_locations)
+    module = importlib.util.module_from_spec(spec)
+    finder = _NoScikitLearnInThisThread()
+    sys.modules[PRIVATE_XGBOOST] = module
+    sys.meta_path.insert(0, finder)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        for name in [n for n in sys.modules if n == PRIVATE_XGBOOST or n.startswith(PRIVATE_XGBOOST + ".")]:
+            del sys.modules[name]
+        raise
+    finally:
+        sys.meta_path.remove(finder)
+    return module
 
 
 def import_xgboost():
-    """The ``xgboost`` module, imported once per process: the background import and the fit's own wait for each
-    other on one lock (two threads importing it at once could leave it half made)."""
-    import sys
+    """The XGBoost module :class:`PixelClassifier` uses, imported once per process; the background import and
+    a fit's own wait for each other on one lock (two threads importing it at once could leave it half made).
 
+    XGBoost imports scikit-learn whenever it can, for its scikit-learn classes: about 1.4 s of its 1.9 s
+    import on a 2-core CPU, and :class:`PixelClassifier` needs none of it. Unless the process has imported
+    ``xgboost`` or ``sklearn`` already (then the import costs little, and that module is used), XGBoost's
+    package is loaded under a private name (:data:`PRIVATE_XGBOOST`) without scikit-learn. ``import xgboost``
+    elsewhere in the process is unaffected: it imports the package as usual, scikit-learn classes and all (a
+    second copy of its Python modules; the library is loaded once). Boosters of the private copy are not
+    instances of ``xgboost.Booster``; they save, load and predict as any other, and a pickled
+    :class:`PixelClassifier` holds its model's bytes. Should the private import fail (an XGBoost laid out
+    otherwise), the ordinary one is used."""
     with _IMPORT_LOCK:
-        if _WITHOUT_SCIKIT_LEARN and "xgboost" not in sys.modules and "sklearn" not in sys.modules:
-            finder = _NoScikitLearnInThisThread()
-            sys.meta_path.insert(0, finder)
-            try:
+        if not _XGBOOST:
+            xgboost = None
+            if "xgboost" not in sys.modules and "sklearn" not in sys.modules:
+                try:
+                    xgboost = _import_private_xgboost()
+                except Exception:  # an XGBoost laid out otherwise: the ordinary import, which reports real errors
+                    xgboost = None
+            if xgboost is None:
                 import xgboost
-            finally:
-                sys.meta_path.remove(finder)
-        import xgboost
-    return xgboost
+            _XGBOOST.append(xgboost)
+    return _XGBOOST[0]
 
 
 def import_in_background() -> None:
-    """Start importing XGBoost in a daemon thread, once per process: 0.5-1.9 s of a first fit on a 2-core CPU
-    (with scikit-learn, unless :func:`import_xgboost_without_scikit_learn`), spent while the features are
-    computed. :func:`import_xgboost` then finds the module loaded, or waits for the thread to finish it; a
+    """Start importing XGBoost in a daemon thread, once per process (:func:`import_xgboost`: 0.3-0.5 s on a
+    2-core CPU), spent while the features are computed. :func:`import_xgboost` then finds the module loaded, or waits for the thread to finish it; a
     failed background import is ignored, that import raises the error itself."""
-    import sys
-
-    if _IMPORTER or "xgboost" in sys.modules:
+    if _IMPORTER or _XGBOOST:
         return
 
     def load():
@@ -174,6 +198,19 @@ class PixelClassifier:
         self.booster = xgb.train(params, data, rounds)
         self.n_classes_ = len(classes)
         return self
+
+    def __getstate__(self):
+        # The booster travels as its model's bytes: its class may be the private copy's
+        # (import_xgboost), which another process cannot import by name.
+        state = dict(self.__dict__)
+        if self.booster is not None:
+            state["booster"] = bytes(self.booster.save_raw("ubj"))
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if isinstance(self.booster, bytes):
+            self.load_model(bytearray(self.booster))
 
     def get_booster(self):
         if self.booster is None:
@@ -314,9 +351,8 @@ def _classifier_from(kind: str, raw: bytes, path: Path) -> PixelClassifier:
 
 
 class PendingClassifier:
-    """A classifier that a background thread is loading: importing XGBoost (and with it scikit-learn)
-    takes 1-2 s of a first ``segment apply`` on a 2-core machine, spent while the image is read and its
-    features computed. Any attribute waits for the load and is the loaded classifier's; a load that
+    """A classifier that a background thread is loading: importing XGBoost (:func:`import_xgboost`) is part
+    of a first ``segment apply``'s start, spent while the image is read and its features computed. Any attribute waits for the load and is the loaded classifier's; a load that
     failed raises its error there. Pickles as the loaded classifier (Dask workers get a plain one)."""
 
     def __init__(self, kind: str, raw: bytes, path: Path):

@@ -217,20 +217,35 @@ def palette(k: int) -> np.ndarray:
     return np.concatenate([np.zeros((1, 3), np.uint8), np.tile(base, (reps, 1))[:k]])
 
 
+# Rows of an overlay blended at a time, one band per thread: the blend's float temporaries stay small
+# (a band's, not the image's: 0.6 GB at 4096²) and both cores work (4096²: 1.3 s on one core).
+OVERLAY_BAND = 256
+
+
 def overlay(image01: np.ndarray, mask: np.ndarray, alpha: float = 0.4, k: int | None = None,
             colours: np.ndarray | None = None) -> np.ndarray:
     """(H, W, 3) uint8: the image (grayscale (H, W), or RGB (H, W, 3) in its own colours) with the
     classes of ``mask`` tinted on it (0 stays untinted), in :func:`palette` colours or in ``colours``
     (a (max class + 1, 3) uint8 table indexed by class value)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
     k = int(mask.max()) if k is None else k
-    table = palette(k) if colours is None else np.asarray(colours, np.uint8)
-    colours = table.astype(np.float32)[mask]
-    if image01.ndim == 3:
-        gray = np.clip(image01[..., :3], 0, 1) * 255.0
-    else:
-        gray = np.repeat(np.clip(image01, 0, 1)[..., None] * 255.0, 3, axis=-1)
-    out = np.where(mask[..., None] > 0, (1 - alpha) * gray + alpha * colours, gray)
-    return out.round().astype(np.uint8)
+    table = (palette(k) if colours is None else np.asarray(colours, np.uint8)).astype(np.float32)
+    out = np.empty(mask.shape[:2] + (3,), np.uint8)
+
+    def blend(top: int) -> None:
+        rows = slice(top, top + OVERLAY_BAND)
+        band, m = image01[rows], mask[rows]
+        if band.ndim == 3:
+            gray = np.clip(band[..., :3], 0, 1) * 255.0
+        else:
+            gray = np.repeat(np.clip(band, 0, 1)[..., None] * 255.0, 3, axis=-1)
+        out[rows] = np.where(m[..., None] > 0, (1 - alpha) * gray + alpha * table[m], gray).round()
+
+    with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, 8)) as pool:
+        list(pool.map(blend, range(0, mask.shape[0], OVERLAY_BAND)))
+    return out
 
 
 def write_mask(path, mask: np.ndarray, k: int | None = None) -> Path:

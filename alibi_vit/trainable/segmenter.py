@@ -614,7 +614,7 @@ class TrainableSegmenter:
             fitted intensity range). Returns self.
         """
         labels = _as_list(labels, "labels", self.dims)
-        import_in_background()  # XGBoost (and scikit-learn) load while the features are computed
+        import_in_background()  # XGBoost loads while the features are computed
         with self._call():
             sources = self._prepare(images, fit=True)
             if len(labels) != len(sources):
