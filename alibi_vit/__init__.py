@@ -58,8 +58,8 @@ class _RegisterModelsAfterTimm(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if fullname != "timm":
             return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
+        # A new list, not one changed in place: another thread's import may be going through the old one.
+        sys.meta_path = [finder for finder in sys.meta_path if finder is not self]
         spec = importlib.util.find_spec("timm")  # the ordinary finders, now without this one
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec

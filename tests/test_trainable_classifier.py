@@ -132,10 +132,9 @@ def test_scikit_learn_is_refused_only_to_the_thread_importing_xgboost():
 def test_a_fresh_process_fits_without_scikit_learn_and_its_own_xgboost_import_is_whole(tmp_path):
     """In a fresh process: the classifier's XGBoost is imported in the background without scikit-learn, under
     a private name; the forest is fitted, saved and pickled. The process's own ``import xgboost`` is then
-    whole: its scikit-learn classes fit, and read the saved model with the same probabilities. The pickle
-    loads in another process (this one)."""
-    import pickle
-
+    whole: its scikit-learn classes fit, and read the saved model with the same probabilities. The pickled
+    classifier, bare booster and XGBoost error load in a fresh process that imported scikit-learn first (the
+    ordinary XGBoost's classes there)."""
     import xgboost
 
     from tests.helpers import run_in_fresh_process
@@ -147,7 +146,8 @@ def test_a_fresh_process_fits_without_scikit_learn_and_its_own_xgboost_import_is
               "y = (X[:, 0] > 0).astype(int) + (X[:, 1] > 1)\n"
               "clf = c.fit_classifier('random_forest', X, y, params={'n_estimators': 4})\n"
               "clf.save_model(sys.argv[1])\nnp.save(sys.argv[2], clf.predict_proba(X))\n"
-              "open(sys.argv[3], 'wb').write(pickle.dumps(clf))\n"
+              "open(sys.argv[3], 'wb').write(pickle.dumps((clf, clf.get_booster(), "
+              "c.import_xgboost().core.XGBoostError('boom'))))\n"
               "print('sklearn' in sys.modules, 'xgboost' in sys.modules, type(clf.get_booster()).__module__)\n"
               "import xgboost\n"
               "ours = xgboost.XGBRFClassifier()\nours.load_model(sys.argv[1])\n"
@@ -165,9 +165,18 @@ def test_a_fresh_process_fits_without_scikit_learn_and_its_own_xgboost_import_is
     read = xgboost.XGBRFClassifier()
     read.load_model(tmp_path / "m.json")
     np.testing.assert_array_equal(read.predict_proba(X), expected)
-    unpickled = pickle.loads((tmp_path / "c.pickle").read_bytes())
-    assert unpickled.n_classes_ == 3
-    np.testing.assert_array_equal(unpickled.predict_proba(X), expected)
+    # Unpickled in a fresh process that imported scikit-learn first, so knows no private module
+    unpickle = ("import sys, pickle\nimport sklearn\nimport numpy as np\nimport xgboost\n"
+                "clf, booster, error = pickle.load(open(sys.argv[1], 'rb'))\n"
+                "rng = np.random.default_rng(0)\nX = rng.normal(size=(400, 3)).astype(np.float32)\n"
+                "expected = np.load(sys.argv[2])\n"
+                "print(clf.n_classes_, np.array_equal(clf.predict_proba(X), expected), "
+                "np.array_equal(booster.inplace_predict(X), expected), type(booster) is xgboost.Booster, "
+                "type(error) is xgboost.core.XGBoostError and error.args == ('boom',), "
+                "'alibi_vit.trainable._xgboost' in sys.modules)\n")
+    result = run_in_fresh_process([files[2], files[1]], tmp_path, unpickle, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["3", "True", "True", "True", "True", "False"]
 
 
 def test_a_process_that_imported_scikit_learn_first_uses_its_ordinary_xgboost(tmp_path):

@@ -30,6 +30,7 @@ fitted model is unchanged on them), unseen values in the gap are shared between 
 
 from __future__ import annotations
 
+import copyreg
 import json
 import os
 import re
@@ -89,7 +90,8 @@ def _import_private_xgboost():
     module = importlib.util.module_from_spec(spec)
     finder = _NoScikitLearnInThisThread()
     sys.modules[PRIVATE_XGBOOST] = module
-    sys.meta_path.insert(0, finder)
+    # New lists, not one changed in place: another thread's import may be going through the old one.
+    sys.meta_path = [finder, *sys.meta_path]
     try:
         spec.loader.exec_module(module)
     except BaseException:
@@ -97,8 +99,31 @@ def _import_private_xgboost():
             del sys.modules[name]
         raise
     finally:
-        sys.meta_path.remove(finder)
+        sys.meta_path = [f for f in sys.meta_path if f is not finder]
+    # Its boosters and errors pickle as those of whichever XGBoost the unpickling process uses, since no
+    # other process knows the private name (a Dask worker's booster, or its error sent back).
+    copyreg.pickle(module.core.Booster, _reduce_booster)
+    copyreg.pickle(module.core.XGBoostError, _reduce_xgboost_error)
     return module
+
+
+def _booster_from_state(state: dict):
+    booster_class = import_xgboost().Booster
+    booster = booster_class.__new__(booster_class)
+    booster.__setstate__(state)
+    return booster
+
+
+def _reduce_booster(booster):
+    return _booster_from_state, (booster.__getstate__(),)
+
+
+def _xgboost_error(*args):
+    return import_xgboost().core.XGBoostError(*args)
+
+
+def _reduce_xgboost_error(error):
+    return _xgboost_error, error.args
 
 
 def import_xgboost():
@@ -110,10 +135,11 @@ def import_xgboost():
     ``xgboost`` or ``sklearn`` already (then the import costs little, and that module is used), XGBoost's
     package is loaded under a private name (:data:`PRIVATE_XGBOOST`) without scikit-learn. ``import xgboost``
     elsewhere in the process is unaffected: it imports the package as usual, scikit-learn classes and all (a
-    second copy of its Python modules; the library is loaded once). Boosters of the private copy are not
-    instances of ``xgboost.Booster``; they save, load and predict as any other, and a pickled
-    :class:`PixelClassifier` holds its model's bytes. Should the private import fail (an XGBoost laid out
-    otherwise), the ordinary one is used."""
+    second copy of its Python modules; the library is loaded once). The private copy's boosters and errors
+    are not instances of ``xgboost.Booster`` and ``xgboost.core.XGBoostError`` (an ``except`` of the latter
+    does not catch them); they save, load and predict as any other (with that copy's own ``DMatrix``), and
+    pickle as those of the unpickling process's XGBoost. Should the private import fail (an XGBoost laid out otherwise), the ordinary one is
+    used."""
     with _IMPORT_LOCK:
         if not _XGBOOST:
             xgboost = None
@@ -198,19 +224,6 @@ class PixelClassifier:
         self.booster = xgb.train(params, data, rounds)
         self.n_classes_ = len(classes)
         return self
-
-    def __getstate__(self):
-        # The booster travels as its model's bytes: its class may be the private copy's
-        # (import_xgboost), which another process cannot import by name.
-        state = dict(self.__dict__)
-        if self.booster is not None:
-            state["booster"] = bytes(self.booster.save_raw("ubj"))
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        if isinstance(self.booster, bytes):
-            self.load_model(bytearray(self.booster))
 
     def get_booster(self):
         if self.booster is None:
