@@ -41,9 +41,9 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["CLASSIFIERS", "DEFAULT_CLASSIFIER", "PendingClassifier", "PixelClassifier", "balanced_weights",
-           "fit_classifier", "import_in_background", "import_xgboost",
-           "load_classifier", "load_classifier_in_background", "make_classifier", "midpoint_thresholds"]
+__all__ = ["CLASSIFIERS", "DEFAULT_CLASSIFIER", "PRIVATE_XGBOOST", "PendingClassifier", "PixelClassifier",
+           "balanced_weights", "fit_classifier", "import_in_background", "import_xgboost", "load_classifier",
+           "load_classifier_in_background", "make_classifier", "midpoint_thresholds"]
 
 CLASSIFIERS = ("xgboost", "random_forest")
 DEFAULT_CLASSIFIER = "random_forest"
