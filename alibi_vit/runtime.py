@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["prefer_passive_threads_when_busy"]
+__all__ = ["omp_threads", "prefer_passive_threads_when_busy", "thread_budget", "usable_cores"]
 
 
 def prefer_passive_threads_when_busy() -> bool:
@@ -23,8 +23,24 @@ def prefer_passive_threads_when_busy() -> bool:
     not loaded yet (OpenMP reads the variable once, when it starts); whether it was set."""
     if "OMP_WAIT_POLICY" in os.environ or "torch" in sys.modules or not hasattr(os, "getloadavg"):
         return False
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if os.getloadavg()[0] < cores:
+    if os.getloadavg()[0] < usable_cores():
         return False
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     return True
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the system has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def omp_threads() -> int | None:
+    """``OMP_NUM_THREADS`` when set to a positive number, else None. XGBoost and PyTorch size their pools by it,
+    and Dask sets it to 1 in its worker processes so that N single-threaded workers use N cores."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    return int(threads) if threads.isdigit() and int(threads) > 0 else None
+
+
+def thread_budget() -> int:
+    """Threads this process's own pools may keep busy: :func:`omp_threads` when set, else :func:`usable_cores`."""
+    return omp_threads() or usable_cores()

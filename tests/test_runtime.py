@@ -33,3 +33,46 @@ def test_both_commands_set_it_before_pytorch_loads():
     assert scripts["lightning"] == "lit_modules.launch:main"
     launch = (ROOT / "lit_modules" / "launch.py").read_text()
     assert "import torch" not in launch and "prefer_passive_threads_when_busy()" in launch
+
+
+def test_the_thread_budget_is_omp_num_threads_when_set_else_the_usable_cores(monkeypatch):
+    """Dask sets OMP_NUM_THREADS=1 in its workers: the process's own pools (overlay bands, threshold sorts, the
+    next tile's filters) then keep to one thread, as XGBoost and OpenCV do."""
+    from alibi_vit.runtime import omp_threads, thread_budget
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert omp_threads() is None and thread_budget() == cores
+    for value in ("0", "-2", "two", ""):
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+        assert omp_threads() is None and thread_budget() == cores
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert omp_threads() == 3 and thread_budget() == 3
+
+
+def test_a_one_thread_process_predicts_without_the_next_tile_thread(monkeypatch):
+    """With a thread budget of one (a Dask worker) the next tile's filters are not computed ahead on a thread of
+    their own, and the probabilities are the same as with it."""
+    import threading
+
+    import numpy as np
+
+    from alibi_vit.trainable.segmenter import TrainableSegmenter
+
+    rng = np.random.default_rng(0)
+    image = rng.random((96, 96)).astype(np.float32)
+    image[:, 48:] += 1.0
+    labels = np.zeros((96, 96), np.uint8)
+    labels[10:80, 5:30], labels[10:80, 60:90] = 1, 2
+    seg = TrainableSegmenter(tile=42, classifier_params={"n_estimators": 3}).fit([image], [labels])
+    started = []
+    original = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self.name), original(self))[1])
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    ahead = seg.predict_proba([image])[0]
+    assert any(name.startswith("alibi-vit-features") for name in started)
+    started.clear()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    alone = seg.predict_proba([image])[0]
+    assert not any(name.startswith("alibi-vit-features") for name in started)
+    np.testing.assert_array_equal(alone, ahead)

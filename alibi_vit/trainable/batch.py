@@ -23,7 +23,6 @@ and listed too. A failed write (a full disk) stops the run: no later image could
 
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 import time
@@ -90,11 +89,13 @@ def _threads_as_the_worker_says() -> None:
     """Size OpenCV's thread pool by ``OMP_NUM_THREADS``, as XGBoost and PyTorch are. Dask sets it to 1 in
     its worker processes so that N single-threaded workers use N cores; OpenCV would otherwise start a
     thread per core in every worker (16 workers on a 16-core node: 256 threads fighting for 16 cores)."""
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
+    from ..runtime import omp_threads
+
+    threads = omp_threads()
+    if threads is not None:
         import cv2
 
-        cv2.setNumThreads(int(threads))
+        cv2.setNumThreads(threads)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..runtime import thread_budget
+
 __all__ = ["CLASSIFIERS", "DEFAULT_CLASSIFIER", "PRIVATE_XGBOOST", "PendingClassifier", "PixelClassifier",
            "balanced_weights", "fit_classifier", "import_in_background", "import_xgboost", "load_classifier",
            "load_classifier_in_background", "make_classifier", "midpoint_thresholds"]
@@ -317,7 +319,7 @@ def midpoint_thresholds(clf, X: np.ndarray):
         thresholds[nodes[moved]] = middle[moved]
 
     # The sorts (a few tenths of a second on 500 000 rows) release the GIL: one feature per thread.
-    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
+    with ThreadPoolExecutor(max_workers=thread_budget()) as pool:
         list(pool.map(move, np.unique(features[inner])))
     start = 0
     for tree in trees:

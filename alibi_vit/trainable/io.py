@@ -217,8 +217,9 @@ def palette(k: int) -> np.ndarray:
     return np.concatenate([np.zeros((1, 3), np.uint8), np.tile(base, (reps, 1))[:k]])
 
 
-# Rows of an overlay blended at a time, one band per thread: the blend's float temporaries stay small
-# (a band's, not the image's: 0.6 GB at 4096²) and both cores work (4096²: 1.3 s on one core).
+# Rows of an overlay blended at a time, one band per thread (as many as the process's thread budget): the blend's
+# float temporaries stay small (a band's, not the image's: 0.6 GB at 4096²) and both cores work (4096²: 1.3 s on
+# one core).
 OVERLAY_BAND = 256
 
 
@@ -227,8 +228,9 @@ def overlay(image01: np.ndarray, mask: np.ndarray, alpha: float = 0.4, k: int | 
     """(H, W, 3) uint8: the image (grayscale (H, W), or RGB (H, W, 3) in its own colours) with the
     classes of ``mask`` tinted on it (0 stays untinted), in :func:`palette` colours or in ``colours``
     (a (max class + 1, 3) uint8 table indexed by class value)."""
-    import os
     from concurrent.futures import ThreadPoolExecutor
+
+    from ..runtime import thread_budget
 
     k = int(mask.max()) if k is None else k
     table = (palette(k) if colours is None else np.asarray(colours, np.uint8)).astype(np.float32)
@@ -243,7 +245,7 @@ def overlay(image01: np.ndarray, mask: np.ndarray, alpha: float = 0.4, k: int | 
             gray = np.repeat(np.clip(band, 0, 1)[..., None] * 255.0, 3, axis=-1)
         out[rows] = np.where(m[..., None] > 0, (1 - alpha) * gray + alpha * table[m], gray).round()
 
-    with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, 8)) as pool:
+    with ThreadPoolExecutor(max_workers=min(thread_budget(), 8)) as pool:
         list(pool.map(blend, range(0, mask.shape[0], OVERLAY_BAND)))
     return out
 

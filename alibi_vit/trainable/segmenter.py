@@ -39,6 +39,7 @@ from .classifier import (CLASSIFIERS, DEFAULT_CLASSIFIER, fit_classifier, import
 from .crf import CRF_DEFAULTS, CRF_PRESETS, dense_crf_tiled
 from ..chunked import ChunkedImage, sample_tiles
 from ..images import INTENSITY_MODES, fit_intensity_range, scale_colour, scale_to_range
+from ..runtime import thread_budget
 from .cache import FeatureCache
 from .io import as_grayscale, to_unit_float
 from .sources import ArraySource, ChunkedSource, chunked_range, label_region, labels_shape, nonzero_along_axes
@@ -805,9 +806,10 @@ class TrainableSegmenter:
         out = np.empty(tuple(src.shape) + (len(self.classes_),), np.float32)
         tiles = list(self.tile_grid(src))
         # The next tile's filters run on a thread while this one is classified: each alone leaves a core idle
-        # part of the time (numpy's elementwise steps, the channel merge, the classifier's serial parts).
+        # part of the time (numpy's elementwise steps, the channel merge, the classifier's serial parts). Not in a
+        # process of one thread (a Dask worker's): there it would only compete with the classifier.
         ahead = ThreadPoolExecutor(1, thread_name_prefix="alibi-vit-features") \
-            if len(tiles) > 1 and self._features_once(tiles[0]) else None
+            if len(tiles) > 1 and self._features_once(tiles[0]) and thread_budget() > 1 else None
         try:
             pending = ahead.submit(self._classical_planes, src, tiles[0]) if ahead else None
             for i, tile in enumerate(tiles):
